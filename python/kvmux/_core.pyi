@@ -1,0 +1,50 @@
+"""Types of kvmux's Rust core (``kvmux._core``)."""
+
+from collections.abc import Iterable
+
+CLASH_POLICIES: list[str]
+LOAD_POLICIES: list[str]
+MAX_CHILDREN: int
+
+class MuxCore:
+    """Scheduler-side state of one KvmuxConnector: one call per event."""
+
+    def __init__(self, names: list[str], clash_policy: str, load_policy: str) -> None: ...
+    def lookup(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        answers: list[tuple[int | None, bool]],
+    ) -> tuple[int | None, bool]:
+        """Every child's ``get_num_new_matched_tokens`` answer in; the
+        multiplexer's answer out. Raises ``KvmuxChildError`` on a malformed answer."""
+    def allocated(self, req_id: str, num_external_tokens: int) -> int | None:
+        """The child index that gets ``num_external_tokens`` (None: nobody)."""
+    def chosen(self, req_id: str) -> int | None: ...
+    def took_part(self, req_id: str, child: int) -> bool: ...
+    def load_failed(self, req_id: str, failed_tokens: int) -> None: ...
+    def finish(
+        self,
+        req_id: str,
+        results: list[tuple[bool, dict[str, object] | None]],
+        want_extra: bool,
+    ) -> tuple[bool, dict[str, object] | None, int, list[tuple[str, str, str]] | None]:
+        """``(async_save, merged params, extra async completions, new clash
+        warnings (key, first child, second child))``. Raises ``KvmuxParamClash``."""
+    def count_contained(self, child: int) -> None: ...
+    def stats(self) -> dict[str, object]: ...
+    def clear(self) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def clash_policy(self) -> str: ...
+    @property
+    def names(self) -> list[str]: ...
+
+class SaveCountdown:
+    """Worker-side countdown of async saves."""
+
+    def __init__(self) -> None: ...
+    def expect(self, extra: dict[str, int]) -> None: ...
+    def complete(self, ids: Iterable[str]) -> set[str]: ...
+    def pending(self) -> int: ...
+    def __len__(self) -> int: ...

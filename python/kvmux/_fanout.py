@@ -1,0 +1,215 @@
+"""The one fan-out mechanism of the multiplexer.
+
+Most connector hooks only need "call every child, combine the answers". They
+are listed once in :data:`FANOUT_HOOKS` (hook name -> how answers combine) and
+installed on the connector class by :func:`install_fanout`. Only hooks the
+installed vLLM's ``KVConnectorBase_V1`` defines are installed, so one kvmux
+runs on every tested vLLM version. Hooks with real multiplexing logic (lookup,
+allocation, finish, metadata, completions) are written out in
+``connector.py`` but call children through :func:`call_children` too, so a
+failing child is always named.
+"""
+
+from __future__ import annotations
+
+import abc
+import dis
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvmux.errors import KvmuxChildError
+
+__all__ = [
+    "FANOUT_HOOKS",
+    "Hook",
+    "call_child",
+    "call_children",
+    "install_fanout",
+    "is_noop",
+    "layer_hook",
+]
+
+
+class _Mux(Protocol):
+    _children: Sequence[Any]
+    _names: Sequence[str]
+
+
+def call_children(mux: _Mux, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """Call ``hook`` on every child in config order and return the answers.
+
+    An exception from a child reaches vLLM as :class:`KvmuxChildError` naming
+    the child and the hook, chained to the original.
+    """
+    return [call_child(mux, i, hook, *args, **kwargs) for i in range(len(mux._children))]
+
+
+def call_child(mux: _Mux, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``hook`` on child ``i``, naming the child if it raises."""
+    try:
+        return getattr(mux._children[i], hook)(*args, **kwargs)
+    except Exception as e:
+        raise KvmuxChildError(mux._names[i], hook, f"{type(e).__name__}: {e}") from e
+
+
+def _none(_: Any, answers: list[Any]) -> None:
+    return None
+
+
+def _union(_: Any, answers: list[Any]) -> set[Any]:
+    out: set[Any] = set()
+    for a in answers:
+        if a:
+            out |= set(a)
+    return out
+
+
+def _any(_: Any, answers: list[Any]) -> bool:
+    return any(bool(a) for a in answers)
+
+
+def _chain(_: Any, answers: list[Any]) -> list[Any]:
+    return list(itertools.chain.from_iterable(a or () for a in answers))
+
+
+def _first_not_none(_: Any, answers: list[Any]) -> Any:
+    return next((a for a in answers if a is not None), None)
+
+
+def _at_most_one(mux: Any, answers: list[Any]) -> Any:
+    found = [(n, a) for n, a in zip(mux._names, answers, strict=True) if a is not None]
+    if len(found) > 1:
+        raise ValueError(
+            f"kvmux children {[n for n, _ in found]} each provide a KV cache memory "
+            "pool; the KV cache is allocated once and can live in one pool only. "
+            "Configure a custom memory pool on at most one child."
+        )
+    return found[0][1] if found else None
+
+
+def _agree(mux: Any, answers: list[Any]) -> int | None:
+    if any(a is None for a in answers):
+        return None
+    counts = dict(zip(mux._names, answers, strict=True))
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"kvmux children expect different finished counts {counts}; children "
+            "whose completions are counted per worker differently cannot be combined"
+        )
+    return answers[0] if answers else None
+
+
+def _all_not_false(_: Any, answers: list[Any]) -> bool:
+    return all(a is not False for a in answers)
+
+
+@dataclass(frozen=True)
+class Hook:
+    combine: Callable[[Any, list[Any]], Any]
+    call_all: bool = False
+    """Call every child even when one raises, then raise the first error."""
+
+
+FANOUT_HOOKS: dict[str, Hook] = {
+    # worker side
+    "register_kv_caches": Hook(_none),
+    "unregister_kv_caches": Hook(_none),
+    "restore_kv_caches": Hook(_none),
+    "set_host_xfer_buffer_ops": Hook(_none),
+    "start_load_kv": Hook(_none),
+    "wait_for_save": Hook(_none),
+    "finish_forward": Hook(_none),
+    "reset_capture_state": Hook(_none),
+    "get_block_ids_with_load_errors": Hook(_union),
+    "get_mem_pool_context": Hook(_at_most_one),
+    "get_handshake_metadata": Hook(_first_not_none),
+    "set_xfer_handshake_metadata": Hook(_none),
+    "set_xfer_handshake_metadata_pp_aware": Hook(_none),
+    "get_finished_count": Hook(_agree),
+    "shutdown": Hook(_none, call_all=True),
+    # scheduler side
+    "on_new_request": Hook(_none),
+    "bind_gpu_block_pool": Hook(_none),
+    "take_events": Hook(_chain),
+    "has_pending_block_frees": Hook(_any),
+    "has_pending_push_work": Hook(_any),
+    "register_finished_partial_tail": Hook(_any),
+    "reset_cache": Hook(_all_not_false),
+}
+
+
+def _make(name: str, hook: Hook) -> Callable[..., Any]:
+    if hook.call_all:
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            answers, first_error = [], None
+            for i in range(len(self._children)):
+                try:
+                    answers.append(call_child(self, i, name, *args, **kwargs))
+                except Exception as e:
+                    first_error = first_error or e
+            if first_error is not None:
+                raise first_error
+            return hook.combine(self, answers)
+
+    else:
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return hook.combine(self, call_children(self, name, *args, **kwargs))
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Fan ``{name}`` out to every child ({hook.combine.__name__.strip('_')})."
+    return method
+
+
+def install_fanout(base: type) -> Callable[[type], type]:
+    """Class decorator: install every :data:`FANOUT_HOOKS` hook that ``base``
+    defines and that the class does not write out itself."""
+
+    def deco(cls: type) -> type:
+        for name, hook in FANOUT_HOOKS.items():
+            if hasattr(base, name) and name not in cls.__dict__:
+                setattr(cls, name, _make(name, hook))
+        abc.update_abstractmethods(cls)
+        return cls
+
+    return deco
+
+
+_TRIVIAL = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG"}
+
+
+def is_noop(func: Callable[..., Any]) -> bool:
+    """True when ``func``'s body does nothing (``pass``, a docstring, ``return``
+    or ``return None``): such a child hook is skipped on the per-layer path."""
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in _TRIVIAL]
+    return ops in ([("RETURN_CONST", None)], [("LOAD_CONST", None), ("RETURN_VALUE", None)])
+
+
+def layer_hook(children: Iterable[Any], name: str) -> Callable[..., None]:
+    """The fastest callable for a per-layer hook (``wait_for_layer_load``,
+    ``save_kv_layer``): only children whose hook does something are called,
+    a single one directly, with no wrapper frame."""
+    active = [getattr(c, name) for c in children if not is_noop(getattr(type(c), name))]
+    if not active:
+        return _noop
+    if len(active) == 1:
+        return active[0]
+    active_t = tuple(active)
+
+    def fan(*args: Any, **kwargs: Any) -> None:
+        for f in active_t:
+            f(*args, **kwargs)
+
+    fan.__name__ = name
+    return fan
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -1,0 +1,474 @@
+//! The only file that knows PyO3: thin, coarse wrappers over the core.
+//!
+//! Each method covers one whole connector event (a lookup over every child,
+//! a whole `request_finished`, a whole `get_finished` batch), so one Python
+//! call into Rust replaces a Python loop.
+
+use dashmap::DashSet;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use crate::merge::{self, ClashPolicy, MergeError, ValueEq};
+use crate::requests::{ChildMatch, LoadPolicy, RequestTable, MAX_CHILDREN};
+use crate::saves::SaveCountdown;
+use crate::stats::Counters;
+
+/// The key kvmux itself adds to a finished request's params on request.
+const EXTRA_KEY: &str = "num_extra_cached_tokens";
+/// The name kvmux's own params go by in clash reports.
+const SELF_NAME: &str = "kvmux";
+
+/// Raise `kvmux.errors.<name>(*args)`. Only reached on error paths.
+fn kvmux_error<'py, A>(py: Python<'py>, name: &str, args: A) -> PyErr
+where
+    A: pyo3::call::PyCallArgs<'py>,
+{
+    let build = || -> PyResult<PyErr> {
+        let cls = py.import("kvmux.errors")?.getattr(name)?;
+        Ok(PyErr::from_value(cls.call1(args)?))
+    };
+    build().unwrap_or_else(|e| e)
+}
+
+/// A Python value compared with Python's `==`.
+struct PyVal<'py>(Bound<'py, PyAny>);
+
+impl ValueEq for PyVal<'_> {
+    type Error = PyErr;
+    fn value_eq(&self, other: &Self) -> PyResult<bool> {
+        self.0.eq(&other.0)
+    }
+}
+
+/// Scheduler-side state of one `KvmuxConnector`.
+#[pyclass(frozen, module = "kvmux._core")]
+pub struct MuxCore {
+    names: Vec<String>,
+    clash: ClashPolicy,
+    load: LoadPolicy,
+    table: RequestTable,
+    counters: Counters,
+    warned_keys: DashSet<String>,
+}
+
+impl MuxCore {
+    fn name(&self, i: usize) -> &str {
+        self.names.get(i).map_or(SELF_NAME, String::as_str)
+    }
+
+    fn parse_match(
+        &self,
+        py: Python<'_>,
+        i: usize,
+        ans: &Bound<'_, PyAny>,
+    ) -> PyResult<ChildMatch> {
+        let bad = |why: String| {
+            kvmux_error(
+                py,
+                "KvmuxChildError",
+                (
+                    self.name(i).to_owned(),
+                    "get_num_new_matched_tokens",
+                    format!("{why}; it must return (int >= 0 or None, bool)"),
+                ),
+            )
+        };
+        let tup = ans
+            .cast::<PyTuple>()
+            .map_err(|_| bad(format!("returned {}", repr(ans))))?;
+        if tup.len() != 2 {
+            return Err(bad(format!("returned a tuple of {} items", tup.len())));
+        }
+        let (toks, load_async) = (tup.get_item(0)?, tup.get_item(1)?);
+        let tokens = if toks.is_none() {
+            None
+        } else {
+            let n: i64 = toks
+                .extract()
+                .map_err(|_| bad(format!("returned token count {}", repr(&toks))))?;
+            if n < 0 {
+                return Err(bad(format!("returned a negative token count {n}")));
+            }
+            Some(n as u64)
+        };
+        let load_async: bool = load_async
+            .extract()
+            .map_err(|_| bad(format!("returned load_async {}", repr(&load_async))))?;
+        if load_async && tokens == Some(0) {
+            return Err(bad("returned load_async=True with 0 tokens".to_owned()));
+        }
+        Ok(ChildMatch { tokens, load_async })
+    }
+}
+
+fn repr(obj: &Bound<'_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
+}
+
+#[pymethods]
+impl MuxCore {
+    #[new]
+    fn new(names: Vec<String>, clash_policy: &str, load_policy: &str) -> PyResult<Self> {
+        if names.is_empty() || names.len() > MAX_CHILDREN {
+            return Err(PyValueError::new_err(format!(
+                "a multiplexer needs 1 to {MAX_CHILDREN} children, got {}",
+                names.len()
+            )));
+        }
+        Ok(Self {
+            counters: Counters::new(names.len()),
+            names,
+            clash: clash_policy.parse().map_err(PyValueError::new_err)?,
+            load: load_policy.parse().map_err(PyValueError::new_err)?,
+            table: RequestTable::new(),
+            warned_keys: DashSet::new(),
+        })
+    }
+
+    /// One `get_num_new_matched_tokens` event: every child's answer in, the
+    /// multiplexer's `(tokens or None, load_async)` out.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        req_id: &str,
+        num_computed_tokens: u64,
+        answers: &Bound<'_, PyList>,
+    ) -> PyResult<(Option<u64>, bool)> {
+        if answers.len() != self.names.len() {
+            return Err(PyValueError::new_err(format!(
+                "expected {} answers, got {}",
+                self.names.len(),
+                answers.len()
+            )));
+        }
+        let mut matches = [ChildMatch {
+            tokens: None,
+            load_async: false,
+        }; MAX_CHILDREN];
+        for (i, ans) in answers.iter().enumerate() {
+            matches[i] = self.parse_match(py, i, &ans)?;
+        }
+        let matches = &matches[..self.names.len()];
+        let got = self
+            .table
+            .lookup(req_id, num_computed_tokens, self.load, matches);
+        if got.tokens.is_some() {
+            for (m, c) in matches.iter().zip(&self.counters.children) {
+                let toks = m.tokens.unwrap_or(0);
+                Counters::add(&c.lookups, 1);
+                if toks > 0 {
+                    Counters::add(&c.hits, 1);
+                    Counters::add(&c.hit_tokens, toks);
+                }
+            }
+        }
+        Ok((got.tokens, got.load_async))
+    }
+
+    /// One `update_state_after_alloc` event: the index of the child that gets
+    /// `num_external_tokens` (None: every child gets 0).
+    fn allocated(&self, req_id: &str, num_external_tokens: u64) -> Option<usize> {
+        let chosen = self
+            .table
+            .allocated(req_id, self.names.len(), num_external_tokens);
+        if let Some(c) = chosen.and_then(|i| self.counters.children.get(i)) {
+            Counters::add(&c.loads, 1);
+            Counters::add(&c.load_tokens, num_external_tokens);
+        }
+        chosen
+    }
+
+    /// The child chosen to load a request, if any.
+    fn chosen(&self, req_id: &str) -> Option<usize> {
+        self.table.chosen(req_id)
+    }
+
+    /// Whether child `child` took part in a live request (looked up or
+    /// allocated); False for an unknown request.
+    fn took_part(&self, req_id: &str, child: usize) -> bool {
+        self.table
+            .get(req_id)
+            .is_some_and(|s| s.child_took_part(child))
+    }
+
+    /// External tokens of a request failed to load (vLLM recomputes them).
+    fn load_failed(&self, req_id: &str, failed_tokens: u64) {
+        Counters::add(&self.counters.load_failures, 1);
+        self.table.load_failed(req_id, failed_tokens);
+    }
+
+    /// One `request_finished` event. `results[i]` is child i's
+    /// `(async_save, params or None)`; `want_extra` says whether the request
+    /// asked for `num_extra_cached_tokens`.
+    ///
+    /// Returns `(async_save, merged params or None, extra async completions,
+    /// clashes to warn about or None)`. The request's state is gone after
+    /// this call, whether it succeeds or raises.
+    #[allow(clippy::type_complexity)]
+    fn finish<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: &str,
+        results: &Bound<'py, PyList>,
+        want_extra: bool,
+    ) -> PyResult<(
+        bool,
+        Option<Bound<'py, PyDict>>,
+        u32,
+        Option<Vec<(String, String, String)>>,
+    )> {
+        let state = self.table.finish(req_id).unwrap_or_default();
+        Counters::add(&self.counters.finished, 1);
+        let mut n_async = 0u32;
+        let mut sources: Vec<(usize, Bound<'py, PyDict>)> = Vec::with_capacity(results.len() + 1);
+        for (i, res) in results.iter().enumerate() {
+            let bad = |why: String| {
+                kvmux_error(
+                    py,
+                    "KvmuxChildError",
+                    (
+                        self.name(i).to_owned(),
+                        "request_finished",
+                        format!("{why}; it must return (bool, dict or None)"),
+                    ),
+                )
+            };
+            let tup = res
+                .cast::<PyTuple>()
+                .ok()
+                .filter(|t| t.len() == 2)
+                .ok_or_else(|| bad(format!("returned {}", repr(&res))))?;
+            let is_async: bool = tup
+                .get_item(0)?
+                .extract()
+                .map_err(|_| bad(format!("returned async_save {}", repr(&res))))?;
+            if is_async {
+                n_async += 1;
+                if let Some(c) = self.counters.children.get(i) {
+                    Counters::add(&c.async_saves, 1);
+                }
+            }
+            let params = tup.get_item(1)?;
+            if !params.is_none() {
+                let d = params.cast_into::<PyDict>().map_err(|e| {
+                    bad(format!("returned params {}", repr(e.into_inner().as_any())))
+                })?;
+                sources.push((i, d));
+            }
+        }
+        if want_extra {
+            Counters::add(&self.counters.extra_cached_tokens, state.loaded_tokens);
+            let own = PyDict::new(py);
+            own.set_item(EXTRA_KEY, state.loaded_tokens)?;
+            sources.push((self.names.len(), own));
+        }
+        let extra_saves = n_async.saturating_sub(1);
+        Counters::add(&self.counters.extra_async_saves, u64::from(extra_saves));
+        let (params, warn) = match sources.len() {
+            0 => (None, None),
+            // One source: hand its dict back as it is, no copy.
+            1 => (sources.pop().map(|(_, d)| d), None),
+            _ => {
+                let (d, warn) = self.merge(py, &sources)?;
+                (Some(d), warn)
+            }
+        };
+        Ok((n_async > 0, params, extra_saves, warn))
+    }
+
+    /// Requests the table still holds.
+    fn __len__(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Forget every request (vLLM's `reset_cache` does not call this: live
+    /// requests keep their state; it is for shutdown).
+    fn clear(&self) {
+        self.table.clear();
+    }
+
+    /// A snapshot of the counters: `{"children": {name: {...}}, ...}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let children = PyDict::new(py);
+        for (name, c) in self.names.iter().zip(&self.counters.children) {
+            let d = PyDict::new(py);
+            for (k, v) in [
+                ("lookups", &c.lookups),
+                ("hits", &c.hits),
+                ("hit_tokens", &c.hit_tokens),
+                ("loads", &c.loads),
+                ("load_tokens", &c.load_tokens),
+                ("async_saves", &c.async_saves),
+                ("contained_errors", &c.contained_errors),
+            ] {
+                d.set_item(k, Counters::get(v))?;
+            }
+            children.set_item(name, d)?;
+        }
+        out.set_item("children", children)?;
+        let k = &self.counters;
+        for (name, v) in [
+            ("finished", &k.finished),
+            ("extra_cached_tokens", &k.extra_cached_tokens),
+            ("clashes_resolved", &k.clashes_resolved),
+            ("clashes_raised", &k.clashes_raised),
+            ("extra_async_saves", &k.extra_async_saves),
+            ("load_failures", &k.load_failures),
+        ] {
+            out.set_item(name, Counters::get(v))?;
+        }
+        out.set_item("live_requests", self.table.len())?;
+        Ok(out)
+    }
+
+    /// Count a contained failure of child `child` (see the connector).
+    fn count_contained(&self, child: usize) {
+        if let Some(c) = self.counters.children.get(child) {
+            Counters::add(&c.contained_errors, 1);
+        }
+    }
+
+    #[getter]
+    fn clash_policy(&self) -> &'static str {
+        self.clash.as_str()
+    }
+
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.names.clone()
+    }
+}
+
+type Warnings = Option<Vec<(String, String, String)>>;
+
+impl MuxCore {
+    /// Merge several children's params under the clash policy. Returns the
+    /// merged dict and the clashes resolved by `first`/`last` whose key has
+    /// not been warned about yet (the caller logs them once).
+    fn merge<'py>(
+        &self,
+        py: Python<'py>,
+        sources: &[(usize, Bound<'py, PyDict>)],
+    ) -> PyResult<(Bound<'py, PyDict>, Warnings)> {
+        let mut pairs = Vec::with_capacity(sources.len());
+        for (i, d) in sources {
+            let mut kv = Vec::with_capacity(d.len());
+            for (k, v) in d.iter() {
+                let key = k.cast::<PyString>().map_err(|_| {
+                    kvmux_error(
+                        py,
+                        "KvmuxChildError",
+                        (
+                            self.name(*i).to_owned(),
+                            "request_finished",
+                            format!("returned a params key {} that is not a str", repr(&k)),
+                        ),
+                    )
+                })?;
+                kv.push((key.to_str()?.to_owned(), PyVal(v)));
+            }
+            pairs.push((*i, kv));
+        }
+        match merge::merge(self.clash, pairs) {
+            Ok(out) => {
+                let warn: Vec<_> = out
+                    .resolved
+                    .iter()
+                    .filter(|c| self.warned_keys.insert(c.key.clone()))
+                    .map(|c| {
+                        (
+                            c.key.clone(),
+                            self.name(c.first).to_owned(),
+                            self.name(c.second).to_owned(),
+                        )
+                    })
+                    .collect();
+                Counters::add(&self.counters.clashes_resolved, out.resolved.len() as u64);
+                let d = PyDict::new(py);
+                for e in out.entries {
+                    d.set_item(e.key, e.value.0)?;
+                }
+                Ok((d, (!warn.is_empty()).then_some(warn)))
+            }
+            Err(MergeError::Compare(e)) => Err(e),
+            Err(MergeError::Clash(c)) => {
+                Counters::add(&self.counters.clashes_raised, 1);
+                Err(kvmux_error(
+                    py,
+                    "KvmuxParamClash",
+                    (
+                        c.key.clone(),
+                        self.name(c.first).to_owned(),
+                        self.name(c.second).to_owned(),
+                        self.clash.as_str(),
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// Worker-side countdown of async saves (see `saves.rs`).
+#[pyclass(frozen, name = "SaveCountdown", module = "kvmux._core")]
+pub struct PySaveCountdown {
+    inner: SaveCountdown,
+}
+
+#[pymethods]
+impl PySaveCountdown {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: SaveCountdown::new(),
+        }
+    }
+
+    /// Record `{req_id: extra completions}` from the scheduler's metadata.
+    fn expect(&self, extra: &Bound<'_, PyDict>) -> PyResult<()> {
+        for (k, v) in extra.iter() {
+            let id = k.cast::<PyString>()?;
+            self.inner.expect(id.to_str()?, v.extract()?);
+        }
+        Ok(())
+    }
+
+    /// Every child's finished-sending ids of one step (repeats allowed):
+    /// the set of ids finished sending now.
+    fn complete<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, pyo3::types::PySet>> {
+        let out = pyo3::types::PySet::empty(py)?;
+        for id in ids.try_iter()? {
+            let id = id?;
+            let s = id.cast::<PyString>()?;
+            if self.inner.complete(s.to_str()?) {
+                out.add(id)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Completions still expected, summed over requests.
+    fn pending(&self) -> u64 {
+        self.inner.pending()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<MuxCore>()?;
+    m.add_class::<PySaveCountdown>()?;
+    m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
+    m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
+    m.add("MAX_CHILDREN", MAX_CHILDREN)?;
+    Ok(())
+}

@@ -1,0 +1,364 @@
+//! Per-request scheduler-side state of the multiplexer: which child loads a
+//! request, how many tokens vLLM already had locally, how many the loading
+//! child supplied, and which children took part in the request.
+//!
+//! The table is a `DashMap`: a sharded map of `RwLock`ed hash tables. Every
+//! scheduler event *writes* its request's entry (lookup, allocation, finish),
+//! so a read-optimised lock-free map (papaya, flurry, evmap) would pay a
+//! clone or a CAS loop per update for nothing; sharded locks give one short
+//! uncontended critical section per event, distinct requests on distinct
+//! shards never wait for each other, and the entry API makes each event's
+//! read-modify-write atomic, which is what free-threaded CPython needs.
+
+use dashmap::DashMap;
+use std::str::FromStr;
+
+/// Most children a multiplexer may have: `took_part` is a bit set in a u64.
+pub const MAX_CHILDREN: usize = 64;
+
+/// Which child loads a request when several report matched tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadPolicy {
+    /// The first child in config order with matched tokens (upstream).
+    First,
+    /// The child with the most matched tokens; ties go to the earlier child.
+    Longest,
+}
+
+impl LoadPolicy {
+    pub const ALL: [&'static str; 2] = ["first", "longest"];
+}
+
+impl FromStr for LoadPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "first" => Ok(LoadPolicy::First),
+            "longest" => Ok(LoadPolicy::Longest),
+            other => Err(format!(
+                "unknown load_policy {other:?}; use one of {:?}",
+                LoadPolicy::ALL
+            )),
+        }
+    }
+}
+
+/// One child's answer to `get_num_new_matched_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChildMatch {
+    /// `None`: the child is still looking ("not ready yet").
+    pub tokens: Option<u64>,
+    pub load_async: bool,
+}
+
+/// The multiplexer's answer to `get_num_new_matched_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lookup {
+    /// `None` while any child is not ready.
+    pub tokens: Option<u64>,
+    pub load_async: bool,
+    /// The child that will load, if any.
+    pub chosen: Option<usize>,
+}
+
+/// Pick the loading child among ready answers.
+pub fn choose(policy: LoadPolicy, matches: &[ChildMatch]) -> Lookup {
+    if matches.iter().any(|m| m.tokens.is_none()) {
+        return Lookup {
+            tokens: None,
+            load_async: false,
+            chosen: None,
+        };
+    }
+    let mut best: Option<(usize, u64)> = None;
+    for (i, m) in matches.iter().enumerate() {
+        let toks = m.tokens.unwrap_or(0);
+        if toks == 0 {
+            continue;
+        }
+        match (policy, best) {
+            (_, None) => best = Some((i, toks)),
+            (LoadPolicy::Longest, Some((_, b))) if toks > b => best = Some((i, toks)),
+            _ => {}
+        }
+        if policy == LoadPolicy::First {
+            break;
+        }
+    }
+    match best {
+        Some((i, toks)) => Lookup {
+            tokens: Some(toks),
+            load_async: matches[i].load_async,
+            chosen: Some(i),
+        },
+        None => Lookup {
+            tokens: Some(0),
+            load_async: false,
+            chosen: None,
+        },
+    }
+}
+
+/// What the table holds for one live request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestState {
+    /// The child chosen at the latest lookup (None: nobody loads).
+    pub chosen: Option<usize>,
+    /// Tokens vLLM had in its local prefix cache at the latest lookup.
+    pub local_hit_tokens: u64,
+    /// Tokens the chosen child reported at the latest lookup.
+    pub matched_tokens: u64,
+    /// External tokens vLLM allocated for the chosen child to load; this is
+    /// what `num_extra_cached_tokens` reports.
+    pub loaded_tokens: u64,
+    /// Bit i set: child i took part (was looked up or allocated blocks).
+    pub took_part: u64,
+}
+
+impl RequestState {
+    pub fn child_took_part(&self, child: usize) -> bool {
+        child < MAX_CHILDREN && self.took_part & (1u64 << child) != 0
+    }
+}
+
+fn all_children(n: usize) -> u64 {
+    if n >= MAX_CHILDREN {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
+/// The per-request table.
+#[derive(Debug, Default)]
+pub struct RequestTable {
+    map: DashMap<String, RequestState>,
+}
+
+impl RequestTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A whole `get_num_new_matched_tokens` event: decide and record.
+    ///
+    /// Repeating it for the same request (vLLM may) only overwrites the
+    /// decision, so it stays side-effect free from vLLM's point of view.
+    pub fn lookup(
+        &self,
+        req_id: &str,
+        local_hit_tokens: u64,
+        policy: LoadPolicy,
+        matches: &[ChildMatch],
+    ) -> Lookup {
+        let decision = choose(policy, matches);
+        let mut st = self.map.entry(req_id.to_owned()).or_default();
+        st.took_part |= all_children(matches.len());
+        st.local_hit_tokens = local_hit_tokens;
+        if decision.tokens.is_some() {
+            st.chosen = decision.chosen;
+            st.matched_tokens = decision.tokens.unwrap_or(0);
+        }
+        decision
+    }
+
+    /// A whole `update_state_after_alloc` event. Returns the child that gets
+    /// `num_external` (the others get 0). vLLM calls this again with 0 once
+    /// an async load is done; that second call keeps the loaded count.
+    pub fn allocated(&self, req_id: &str, n_children: usize, num_external: u64) -> Option<usize> {
+        let mut st = self.map.entry(req_id.to_owned()).or_default();
+        st.took_part |= all_children(n_children);
+        if num_external > 0 {
+            st.loaded_tokens = num_external;
+        }
+        st.chosen.filter(|_| num_external > 0)
+    }
+
+    /// The chosen child for a request, if any.
+    pub fn chosen(&self, req_id: &str) -> Option<usize> {
+        self.map.get(req_id).and_then(|s| s.chosen)
+    }
+
+    /// Some external tokens of a request failed to load: vLLM recomputes
+    /// them, so they no longer count as supplied.
+    pub fn load_failed(&self, req_id: &str, failed_tokens: u64) {
+        if let Some(mut st) = self.map.get_mut(req_id) {
+            st.loaded_tokens = st.loaded_tokens.saturating_sub(failed_tokens);
+        }
+    }
+
+    /// A `request_finished` event: the state leaves the table (None if the
+    /// request was never seen or already finished).
+    pub fn finish(&self, req_id: &str) -> Option<RequestState> {
+        self.map.remove(req_id).map(|(_, st)| st)
+    }
+
+    pub fn get(&self, req_id: &str) -> Option<RequestState> {
+        self.map.get(req_id).map(|s| *s)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn clear(&self) {
+        self.map.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    fn m(tokens: Option<u64>, load_async: bool) -> ChildMatch {
+        ChildMatch { tokens, load_async }
+    }
+
+    #[test]
+    fn any_not_ready_child_means_not_ready() {
+        let got = choose(LoadPolicy::First, &[m(Some(32), false), m(None, false)]);
+        assert_eq!(got.tokens, None);
+        assert_eq!(got.chosen, None);
+    }
+
+    #[test]
+    fn first_policy_takes_first_child_with_hits() {
+        let got = choose(
+            LoadPolicy::First,
+            &[m(Some(0), false), m(Some(16), true), m(Some(64), false)],
+        );
+        assert_eq!(
+            got,
+            Lookup {
+                tokens: Some(16),
+                load_async: true,
+                chosen: Some(1)
+            }
+        );
+    }
+
+    #[test]
+    fn longest_policy_takes_most_tokens_ties_to_earlier() {
+        let got = choose(
+            LoadPolicy::Longest,
+            &[m(Some(16), false), m(Some(64), true), m(Some(64), false)],
+        );
+        assert_eq!(
+            got,
+            Lookup {
+                tokens: Some(64),
+                load_async: true,
+                chosen: Some(1)
+            }
+        );
+    }
+
+    #[test]
+    fn no_hits_means_zero_and_nobody_chosen() {
+        let got = choose(LoadPolicy::Longest, &[m(Some(0), true), m(Some(0), false)]);
+        assert_eq!(
+            got,
+            Lookup {
+                tokens: Some(0),
+                load_async: false,
+                chosen: None
+            }
+        );
+    }
+
+    #[test]
+    fn lifecycle_records_then_finish_removes() {
+        let t = RequestTable::new();
+        t.lookup(
+            "r",
+            32,
+            LoadPolicy::First,
+            &[m(Some(0), false), m(Some(48), false)],
+        );
+        assert_eq!(t.allocated("r", 2, 48), Some(1));
+        // The second call vLLM makes after an async load keeps the count.
+        assert_eq!(t.allocated("r", 2, 0), None);
+        let st = t.finish("r").unwrap();
+        assert_eq!(
+            (st.chosen, st.local_hit_tokens, st.loaded_tokens),
+            (Some(1), 32, 48)
+        );
+        assert!(st.child_took_part(0) && st.child_took_part(1) && !st.child_took_part(2));
+        assert!(t.finish("r").is_none());
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn not_ready_lookup_keeps_earlier_decision() {
+        let t = RequestTable::new();
+        t.lookup("r", 0, LoadPolicy::First, &[m(Some(16), false)]);
+        t.lookup("r", 0, LoadPolicy::First, &[m(None, false)]);
+        assert_eq!(t.chosen("r"), Some(0));
+    }
+
+    #[test]
+    fn load_failure_reduces_supplied_tokens() {
+        let t = RequestTable::new();
+        t.lookup("r", 0, LoadPolicy::First, &[m(Some(64), false)]);
+        t.allocated("r", 1, 64);
+        t.load_failed("r", 100);
+        assert_eq!(t.finish("r").unwrap().loaded_tokens, 0);
+    }
+
+    #[test]
+    fn threads_on_shared_ids_leave_the_table_empty() {
+        let t = Arc::new(RequestTable::new());
+        let handles: Vec<_> = (0..4)
+            .map(|w| {
+                let t = Arc::clone(&t);
+                std::thread::spawn(move || {
+                    for i in 0..5_000u64 {
+                        let id = format!("req-{}", i % 64);
+                        t.lookup(&id, i, LoadPolicy::Longest, &[m(Some(i % 3), false)]);
+                        t.allocated(&id, 1, w);
+                        t.finish(&id);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert!(t.is_empty());
+    }
+
+    proptest! {
+        /// The chosen child always reported tokens > 0, and under `longest`
+        /// no other child reported more; under `first` no earlier child had hits.
+        #[test]
+        fn choice_is_consistent(answers in proptest::collection::vec((0u64..5, any::<bool>()), 1..8)) {
+            let ms: Vec<_> = answers.iter().map(|&(t, a)| m(Some(t * 16), a)).collect();
+            for policy in [LoadPolicy::First, LoadPolicy::Longest] {
+                let got = choose(policy, &ms);
+                match got.chosen {
+                    None => prop_assert!(ms.iter().all(|x| x.tokens == Some(0))),
+                    Some(i) => {
+                        let ti = ms[i].tokens.unwrap();
+                        prop_assert!(ti > 0);
+                        prop_assert_eq!(got.tokens, Some(ti));
+                        prop_assert_eq!(got.load_async, ms[i].load_async);
+                        for (j, x) in ms.iter().enumerate() {
+                            let tj = x.tokens.unwrap();
+                            if policy == LoadPolicy::First && j < i { prop_assert_eq!(tj, 0); }
+                            if policy == LoadPolicy::Longest {
+                                prop_assert!(tj <= ti);
+                                if j < i { prop_assert!(tj < ti); }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
