@@ -101,6 +101,14 @@ def _agree(mux: Any, answers: list[Any]) -> int | None:
     return answers[0] if answers else None
 
 
+def _merge_events(_: Any, answers: list[Any]) -> Any:
+    merged = None
+    for events in answers:
+        if events is not None:
+            merged = events if merged is None else merged.merge(events)
+    return merged
+
+
 def _all_not_false(_: Any, answers: list[Any]) -> bool:
     return all(a is not False for a in answers)
 
@@ -128,6 +136,7 @@ FANOUT_HOOKS: dict[str, Hook] = {
     "set_xfer_handshake_metadata": Hook(_none),
     "set_xfer_handshake_metadata_pp_aware": Hook(_none),
     "get_finished_count": Hook(_agree),
+    "get_kv_connector_kv_cache_events": Hook(_merge_events),
     "shutdown": Hook(_none, call_all=True),
     # scheduler side
     "on_new_request": Hook(_none),

@@ -74,8 +74,9 @@ def _suggest(word: str, choices: tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _policy(extra: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str,
-            problems: list[str]) -> str:
+def _policy(
+    extra: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str, problems: list[str]
+) -> str:
     value = extra.get(key, default)
     if not isinstance(value, str) or value not in choices:
         problems.append(
@@ -87,8 +88,9 @@ def _policy(extra: Mapping[str, Any], key: str, choices: tuple[str, ...], defaul
     return value
 
 
-def _child(index: int, raw: Any, parent: KVTransferConfig,
-           problems: list[str]) -> tuple[str, KVTransferConfig, type] | None:
+def _child(
+    index: int, raw: Any, parent: KVTransferConfig, problems: list[str]
+) -> tuple[str, KVTransferConfig, type] | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -133,9 +135,7 @@ def _child(index: int, raw: Any, parent: KVTransferConfig,
         problems.append(f"{where} cannot be loaded ({type(e).__name__}: {e}); {fix}")
         return None
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
-        problems.append(
-            f"{where} resolves to {cls!r}, which is not a KVConnectorBase_V1 subclass"
-        )
+        problems.append(f"{where} resolves to {cls!r}, which is not a KVConnectorBase_V1 subclass")
         return None
     return name, ktc, cls
 
@@ -178,8 +178,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         problems.append('"connectors" is empty; list at least one child connector')
     elif len(raw_children) > MAX_CHILDREN:
         problems.append(
-            f'"connectors" lists {len(raw_children)} children; kvmux runs at most '
-            f"{MAX_CHILDREN}"
+            f'"connectors" lists {len(raw_children)} children; kvmux runs at most {MAX_CHILDREN}'
         )
     else:
         for i, raw in enumerate(raw_children):

@@ -99,9 +99,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 try:
                     child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)
                 except Exception as e:
-                    raise KvmuxChildError(
-                        spec.name, "__init__", f"{type(e).__name__}: {e}"
-                    ) from e
+                    raise KvmuxChildError(spec.name, "__init__", f"{type(e).__name__}: {e}") from e
                 self._children.append(child)
         except BaseException:
             self._shutdown_built()
@@ -190,8 +188,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.config.kv_transfer import KVTransferConfig
 
         cfg = parse_mux_config(
-            KVTransferConfig(kv_connector=cls.__name__, kv_role="kv_both",
-                             kv_connector_extra_config=extra_config)
+            KVTransferConfig(
+                kv_connector=cls.__name__, kv_role="kv_both", kv_connector_extra_config=extra_config
+            )
         )
         return any(
             spec.cls.requires_piecewise_for_cudagraph(
@@ -244,7 +243,11 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         chosen = self._core.allocated(request.request_id, num_external_tokens)
         for i in range(len(self._children)):
             call_child(
-                self, i, "update_state_after_alloc", request, blocks,
+                self,
+                i,
+                "update_state_after_alloc",
+                request,
+                blocks,
                 num_external_tokens if i == chosen else 0,
             )
 
@@ -335,7 +338,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning(
                     "kvmux: children %r and %r both return kv_transfer_params key %r; "
                     "clash_policy %r keeps one (warned once per key)",
-                    first, second, key, self._cfg.clash_policy,
+                    first,
+                    second,
+                    key,
+                    self._cfg.clash_policy,
                 )
         return is_async, params
 
@@ -366,9 +372,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             )
         return meta
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """A request is finished sending once every child that saved it
         asynchronously has reported it."""
         if _versions.HAS_TRANSFER_RESULTS:

@@ -30,9 +30,7 @@ class KvmuxWorkerMetadata(KVConnectorWorkerMetadata):
     children: tuple[KVConnectorWorkerMetadata | None, ...]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvmuxWorkerMetadata:
-        if not isinstance(other, KvmuxWorkerMetadata) or len(other.children) != len(
-            self.children
-        ):
+        if not isinstance(other, KvmuxWorkerMetadata) or len(other.children) != len(self.children):
             raise TypeError(
                 f"cannot aggregate kvmux worker metadata with {type(other).__name__}: "
                 "every worker must run the same kvmux configuration"

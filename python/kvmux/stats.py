@@ -105,9 +105,7 @@ class KvmuxStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.counters.values()) and all(
-            s.is_empty() for s in self.children.values()
-        )
+        return not any(self.counters.values()) and all(s.is_empty() for s in self.children.values())
 
 
 def build_child_stats(
@@ -134,22 +132,29 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         self._children = children
 
     @classmethod
-    def build(cls, cfg: Any, vllm_config: Any, metric_types: Any, labelnames: list[str],
-              per_engine_labelvalues: dict[int, list[object]]) -> KvmuxPromMetrics:
+    def build(
+        cls,
+        cfg: Any,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvmuxPromMetrics:
         children: dict[str, KVConnectorPromMetrics] = {}
         by_class: dict[type, KVConnectorPromMetrics | None] = {}
         for spec in cfg.children:
             # A class registers its metric names once; children of one class share them.
             if spec.cls not in by_class:
                 by_class[spec.cls] = spec.cls.build_prom_metrics(
-                    spec.vllm_config_for(vllm_config), metric_types, labelnames,
+                    spec.vllm_config_for(vllm_config),
+                    metric_types,
+                    labelnames,
                     per_engine_labelvalues,
                 )
             prom = by_class[spec.cls]
             if prom is not None:
                 children[spec.name] = prom
-        return cls(vllm_config, metric_types, labelnames, per_engine_labelvalues,
-                   children=children)
+        return cls(vllm_config, metric_types, labelnames, per_engine_labelvalues, children=children)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, entry in (transfer_stats_data.get("children") or {}).items():

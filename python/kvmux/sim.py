@@ -1,0 +1,257 @@
+"""Drive kvmux with vLLM's real v1 scheduler in one process, no GPU, no model.
+
+Used by ``python -m kvmux demo``, the benchmarks and the tests. Everything is
+vLLM's real code (``VllmConfig``, ``Request``, ``Scheduler``, the connector
+factory, ``KVConnectorOutput``) except the model runner: there is no model,
+so :func:`fake_model_output` returns the ``ModelRunnerOutput`` a worker would
+(one sampled token per scheduled request), as vLLM's own tests do. The worker
+side runs in the same process; the metadata between the two is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.forward_context import ForwardContext
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 128
+NUM_LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 32
+
+
+def tiny_model_dir() -> str:
+    """A folder with only a tiny Llama config.json: enough for ModelConfig."""
+    root = Path(os.environ.get("KVMUX_CACHE_DIR", tempfile.gettempdir())) / "kvmux-tiny-llama"
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": KV_HEADS * 2 * HEAD_SIZE,
+        "intermediate_size": 256,
+        "num_attention_heads": KV_HEADS * 2,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": NUM_LAYERS,
+        "vocab_size": 1024,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "float32",
+    }
+    (root / "config.json").write_text(json.dumps(cfg))
+    return str(root)
+
+
+def vllm_config(
+    ktc: KVTransferConfig | None,
+    *,
+    hma: bool | None = False,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 1024,
+) -> VllmConfig:
+    model = ModelConfig(
+        model=tiny_model_dir(),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=1024,
+        seed=0,
+    )
+    cfg = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=ktc,
+    )
+    # On this platform vLLM always turns the hybrid manager off; tests of the
+    # HMA path turn it back on after construction (hma=None: leave vLLM's choice).
+    if hma is not None:
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hma
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return cfg
+
+
+def layer_names() -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+
+
+def make_kv_caches(
+    num_blocks: int = NUM_BLOCKS, seed: int | None = None
+) -> dict[str, torch.Tensor]:
+    """One real CPU tensor per layer, shaped as vLLM 0.33 registers them on
+    the CPU: (num_blocks, kv_heads, block_size, 2 * head_size)."""
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    if seed is None:
+        return {name: torch.zeros(shape) for name in layer_names()}
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) for name in layer_names()}
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    layers = layer_names()
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    page = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks * len(layers),
+                layers=layers,
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+
+
+_HASHER = None
+
+
+def make_request(
+    req_id: str,
+    tokens: Iterable[int],
+    *,
+    max_tokens: int = 4,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Request:
+    global _HASHER
+    if _HASHER is None:
+        init_none_hash(sha256)
+        _HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if kv_transfer_params is not None:
+        params.extra_args = {"kv_transfer_params": kv_transfer_params}
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=_HASHER,
+    )
+
+
+def make_scheduler(cfg: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Scheduler:
+    return Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=kv_cache_config(num_blocks),
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def fake_model_output(
+    sched_out: Any, *, token: int = 7, kv_out: KVConnectorOutput | None = None
+) -> ModelRunnerOutput:
+    """What a worker's model runner returns for a step: one sampled token per
+    scheduled request. (Stand-in for the model: there is none on this machine.)"""
+    req_ids = list(sched_out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token] for _ in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+        kv_connector_output=kv_out,
+    )
+
+
+class SchedulerSim:
+    """vLLM's v1 ``Scheduler`` (with its scheduler-side connector) plus a
+    worker-side connector built from the same config. Each step pickles the
+    scheduler's connector metadata to the worker, runs the worker hooks a
+    model runner runs, and feeds the worker's ``KVConnectorOutput`` back.
+    The model itself is the one stand-in (see ``fake_model_output``).
+    """
+
+    def __init__(self, ktc: Any, *, num_blocks: int = NUM_BLOCKS, **cfg: Any) -> None:
+        self.vllm_config = vllm_config(ktc, **cfg)
+        self.scheduler = make_scheduler(self.vllm_config, num_blocks)
+        self.connector = self.scheduler.connector
+        self.worker = type(self.connector)(
+            self.vllm_config, KVConnectorRole.WORKER, kv_cache_config(num_blocks)
+        )
+        # Real CPU tensors as the paged KV cache, in vLLM 0.33's standard
+        # per-layer view (blocks, kv heads, block positions, K and V packed).
+        self.kv_caches = make_kv_caches(num_blocks)
+        self.worker.register_kv_caches(self.kv_caches)
+        self.finished: dict[str, Any] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finished_sending: list[str] = []
+
+    def add(self, req_id: str, tokens: Any, **kw: Any) -> Any:
+        req = make_request(req_id, tokens, **kw)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> Any:
+        so = self.scheduler.schedule()
+        meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+        for name, kv in self.kv_caches.items():
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, kv, None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(set(so.finished_req_ids))
+        self.finished_sending.extend(sending or ())
+        kv_out = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        kv_out = pickle.loads(pickle.dumps(kv_out))
+        outs = self.scheduler.update_from_output(so, fake_model_output(so, kv_out=kv_out))
+        for eco in outs.values():
+            for o in eco.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.kv_transfer_params
+        return so
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            # A request stays in scheduler.requests until its async saves end.
+            if not self.scheduler.has_requests() and not self.scheduler.requests:
+                return
+            self.step()
+        raise RuntimeError(f"the scheduler did not drain in {max_steps} steps")

@@ -1,0 +1,150 @@
+"""A scripted child connector for kvmux's tests.
+
+It stands in for connectors that cannot run here (a remote P/D peer such as
+NIXL, a cache server): a real ``KVConnectorBase_V1`` subclass, built by vLLM's
+factory from its ``kv_transfer_config`` like any child, whose answers a test
+sets. It records every call so tests can check what kvmux routed to it.
+
+``kv_connector_extra_config`` (all optional):
+
+- ``matched``: tokens reported by ``get_num_new_matched_tokens`` (default 0)
+- ``load_async``: report the match as an async load
+- ``not_ready``: answer ``None`` this many times per request first
+- ``async_save``: ``request_finished`` returns True (saves asynchronously)
+- ``params``: the dict ``request_finished`` returns (None: no params)
+- ``layer_work``: its per-layer hooks do something (record the layer)
+- ``fail``: name of a hook that raises ``RuntimeError``
+- ``hold``: request ids whose async save does not complete until removed
+
+Tests may change ``self.script`` (the same dict) at any time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+
+class ScriptedMetadata(KVConnectorMetadata):
+    def __init__(self, finished: list[str]) -> None:
+        self.finished = finished
+
+
+class ScriptedConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.script: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
+        self.calls: list[tuple[str, Any]] = []
+        self._lookups: defaultdict[str, int] = defaultdict(int)
+        self.layers_seen: list[str] = []
+        self._maybe_fail("__init__")
+
+    def _maybe_fail(self, hook: str) -> None:
+        if self.script.get("fail") == hook:
+            raise RuntimeError(f"scripted failure in {hook}")
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        self._maybe_fail("get_num_new_matched_tokens")
+        self.calls.append(("lookup", request.request_id))
+        n = self._lookups[request.request_id]
+        self._lookups[request.request_id] += 1
+        if n < self.script.get("not_ready", 0):
+            return None, False
+        if "raw_answer" in self.script:
+            return self.script["raw_answer"]
+        # Like a real cache: never the whole prompt (vLLM computes its last token).
+        hit = min(self.script.get("matched", 0), request.num_tokens - 1)
+        matched = max(0, hit - num_computed_tokens)
+        return matched, bool(self.script.get("load_async")) and matched > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._maybe_fail("update_state_after_alloc")
+        self.calls.append(("alloc", (request.request_id, num_external_tokens)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
+        return ScriptedMetadata(sorted(scheduler_output.finished_req_ids))
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._maybe_fail("request_finished")
+        self.calls.append(("finished", request.request_id))
+        self._lookups.pop(request.request_id, None)
+        if "raw_finish" in self.script:
+            return self.script["raw_finish"]
+        is_async = bool(self.script.get("async_save"))
+        params = self.script.get("params")
+        return is_async, (dict(params) if params is not None else None)
+
+    # worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(connector_metadata, ScriptedMetadata):
+            raise TypeError(f"got {type(connector_metadata).__name__}, not my metadata")
+        super().bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._maybe_fail("start_load_kv")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.script.get("layer_work"):
+            self.layers_seen.append(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        if self.script.get("layer_work"):
+            self.layers_seen.append(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._maybe_fail("wait_for_save")
+
+    def get_finished(self, finished_req_ids: set[str]) -> Any:
+        self._maybe_fail("get_finished")
+        self.calls.append(("get_finished", sorted(finished_req_ids)))
+        if not self.script.get("async_save"):
+            return None, None
+        # The async save of a finished request completes in the step that
+        # announces it (or later, when a test holds it back with "hold").
+        held = set(self.script.get("hold", ()))
+        done = set(finished_req_ids) - held
+        self._held = getattr(self, "_held", set()) | (set(finished_req_ids) & held)
+        released = {r for r in self._held if r not in held}
+        self._held -= released
+        return (done | released) or None, None
+
+
+class NoopConnector(KVConnectorBase_V1):
+    """A child whose every hook is the do-nothing default (a pure observer)."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        """Nothing to save."""
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        return
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return ScriptedMetadata([])
+
+
+class ScriptedHMAConnector(ScriptedConnector, SupportsHMA):
+    """The same, declaring hybrid-memory-allocator support."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self.calls.append(("finished_all_groups", (request.request_id, len(block_ids))))
+        return self.request_finished(request, block_ids[0] if block_ids else [])
