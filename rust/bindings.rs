@@ -9,6 +9,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::types::PyBytes;
+
+use crate::block_index::{chain_token_hashes, BlockIndex};
 use crate::merge::{self, ClashPolicy, MergeError, ValueEq};
 use crate::requests::{ChildMatch, LoadPolicy, RequestTable, MAX_CHILDREN};
 use crate::saves::SaveCountdown;
@@ -463,10 +468,138 @@ impl PySaveCountdown {
     }
 }
 
+/// The host tier's block index (see `block_index.rs`) behind one lock: every
+/// call is a whole request's or a whole step's worth of blocks.
+#[pyclass(frozen, name = "HostIndex", module = "kvmux._core")]
+pub struct PyHostIndex {
+    inner: Mutex<BlockIndex>,
+}
+
+/// Borrow the bytes of a list of `bytes` keys.
+fn with_keys<R>(keys: &Bound<'_, PyList>, f: impl FnOnce(&[&[u8]]) -> R) -> PyResult<R> {
+    let owned: Vec<Bound<'_, PyBytes>> = keys
+        .iter()
+        .map(|k| {
+            k.cast_into::<PyBytes>().map_err(|e| {
+                PyValueError::new_err(format!(
+                    "block keys must be bytes (vLLM block hashes), got {}",
+                    repr(e.into_inner().as_any())
+                ))
+            })
+        })
+        .collect::<PyResult<_>>()?;
+    let slices: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+    Ok(f(&slices))
+}
+
+impl PyHostIndex {
+    fn lock(&self) -> MutexGuard<'_, BlockIndex> {
+        // A panic while holding the lock cannot leave the index half-updated
+        // in a way later calls depend on more than `check()` reports.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyHostIndex {
+    #[new]
+    fn new(capacity: usize) -> PyResult<Self> {
+        if capacity == 0 || capacity >= u32::MAX as usize {
+            return Err(PyValueError::new_err(format!(
+                "host index capacity must be 1 to {} blocks, got {capacity}",
+                u32::MAX - 1
+            )));
+        }
+        Ok(Self {
+            inner: Mutex::new(BlockIndex::new(capacity)),
+        })
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.lock().capacity()
+    }
+
+    /// Number of leading blocks of `keys` ready to load.
+    fn longest_prefix(&self, keys: &Bound<'_, PyList>) -> PyResult<usize> {
+        with_keys(keys, |k| self.lock().longest_prefix(k))
+    }
+
+    /// Pin the slots of `keys` for a load (all must be ready, else None).
+    fn pin_ready(&self, keys: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
+        with_keys(keys, |k| self.lock().pin_ready(k))
+    }
+
+    /// Reserve slots for the uncached blocks of `keys`:
+    /// `(positions in keys, slots)`.
+    fn reserve(&self, keys: &Bound<'_, PyList>) -> PyResult<(Vec<usize>, Vec<u32>)> {
+        with_keys(keys, |k| self.lock().reserve(k).into_iter().unzip())
+    }
+
+    fn commit(&self, slots: Vec<u32>) -> usize {
+        self.lock().commit(&slots)
+    }
+
+    fn abort(&self, slots: Vec<u32>) -> usize {
+        self.lock().abort(&slots)
+    }
+
+    fn unpin(&self, slots: Vec<u32>) {
+        self.lock().unpin(&slots)
+    }
+
+    fn clear_unpinned(&self) -> usize {
+        self.lock().clear_unpinned()
+    }
+
+    fn pins(&self, slot: u32) -> u32 {
+        self.lock().pins(slot)
+    }
+
+    /// Raise RuntimeError naming the first broken invariant, if any.
+    fn check(&self) -> PyResult<()> {
+        self.lock()
+            .check()
+            .map_err(pyo3::exceptions::PyRuntimeError::new_err)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ix = self.lock();
+        let (free, writing, ready, pinned) = ix.occupancy();
+        let c = ix.counters();
+        let d = PyDict::new(py);
+        d.set_item("capacity", ix.capacity())?;
+        d.set_item("free", free)?;
+        d.set_item("writing", writing)?;
+        d.set_item("ready", ready)?;
+        d.set_item("pinned", pinned)?;
+        d.set_item("stored", c.stored)?;
+        d.set_item("evicted", c.evicted)?;
+        d.set_item("aborted", c.aborted)?;
+        Ok(d)
+    }
+}
+
+/// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).
+#[pyfunction(name = "chain_token_hashes")]
+fn py_chain_token_hashes<'py>(
+    py: Python<'py>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    seed: &[u8],
+) -> Vec<Bound<'py, PyBytes>> {
+    chain_token_hashes(&tokens, block_size, seed)
+        .iter()
+        .map(|h| PyBytes::new(py, h))
+        .collect()
+}
+
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MuxCore>()?;
     m.add_class::<PySaveCountdown>()?;
+    m.add_class::<PyHostIndex>()?;
+    m.add_function(wrap_pyfunction!(py_chain_token_hashes, m)?)?;
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;

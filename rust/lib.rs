@@ -4,6 +4,7 @@
 //! `python` feature): `cargo test --no-default-features` needs no interpreter.
 #![forbid(unsafe_code)]
 
+pub mod block_index;
 pub mod merge;
 pub mod requests;
 pub mod saves;

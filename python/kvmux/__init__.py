@@ -18,6 +18,7 @@ from kvmux.errors import KvmuxChildError, KvmuxConfigError, KvmuxParamClash
 
 if TYPE_CHECKING:
     from kvmux.connector import KvmuxConnector
+    from kvmux.host_cache.connector import KvmuxHostCache
 
     MultiConnector = KvmuxConnector
 
@@ -27,12 +28,14 @@ __all__ = [
     "KvmuxChildError",
     "KvmuxConfigError",
     "KvmuxConnector",
+    "KvmuxHostCache",
     "KvmuxParamClash",
     "MultiConnector",
 ]
 
 _LAZY = {
     "KvmuxConnector": ("kvmux.connector", "KvmuxConnector"),
+    "KvmuxHostCache": ("kvmux.host_cache.connector", "KvmuxHostCache"),
     # The same class under the name vLLM special-cases for child-aware HMA
     # detection: {"kv_connector": "MultiConnector", "kv_connector_module_path": "kvmux"}.
     "MultiConnector": ("kvmux.connector", "KvmuxConnector"),

@@ -74,6 +74,7 @@ def vllm_config(
     ktc: KVTransferConfig | None,
     *,
     hma: bool | None = False,
+    prefix_caching: bool = True,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 1024,
 ) -> VllmConfig:
@@ -86,7 +87,7 @@ def vllm_config(
     )
     cfg = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -149,7 +150,10 @@ def make_request(
     *,
     max_tokens: int = 4,
     kv_transfer_params: dict[str, Any] | None = None,
+    hashed: bool = True,
 ) -> Request:
+    """A real vLLM ``Request``; ``hashed=False`` leaves it without block
+    hashes (as an engine with prefix caching off and no hasher would)."""
     global _HASHER
     if _HASHER is None:
         init_none_hash(sha256)
@@ -162,7 +166,7 @@ def make_request(
         prompt_token_ids=list(tokens),
         sampling_params=params,
         pooling_params=None,
-        block_hasher=_HASHER,
+        block_hasher=_HASHER if hashed else None,
     )
 
 
@@ -201,7 +205,10 @@ class SchedulerSim:
     The model itself is the one stand-in (see ``fake_model_output``).
     """
 
-    def __init__(self, ktc: Any, *, num_blocks: int = NUM_BLOCKS, **cfg: Any) -> None:
+    def __init__(
+        self, ktc: Any, *, num_blocks: int = NUM_BLOCKS, write_kv: bool = True, **cfg: Any
+    ) -> None:
+        self.write_kv = write_kv
         self.vllm_config = vllm_config(ktc, **cfg)
         self.scheduler = make_scheduler(self.vllm_config, num_blocks)
         self.connector = self.scheduler.connector
@@ -215,6 +222,8 @@ class SchedulerSim:
         self.finished: dict[str, Any] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished_sending: list[str] = []
+        # Connector stats as vLLM hands them to its loggers (serialised dicts).
+        self.kv_stats: list[dict[str, Any]] = []
 
     def add(self, req_id: str, tokens: Any, **kw: Any) -> Any:
         req = make_request(req_id, tokens, **kw)
@@ -227,8 +236,11 @@ class SchedulerSim:
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
-        for name, kv in self.kv_caches.items():
+        writes = self._kv_writes(so)
+        for layer, (name, kv) in enumerate(self.kv_caches.items()):
             w.wait_for_layer_load(name)
+            for block, offset, value in writes:  # the "attention layer" writes its KV
+                kv[block, :, offset, :] = value + layer
             w.save_kv_layer(name, kv, None)
         w.wait_for_save()
         sending, recving = w.get_finished(set(so.finished_req_ids))
@@ -237,16 +249,60 @@ class SchedulerSim:
             finished_sending=sending,
             finished_recving=recving,
             kv_connector_worker_meta=w.build_connector_worker_meta(),
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_stats=w.get_kv_connector_stats(),
         )
         w.clear_connector_metadata()
         kv_out = pickle.loads(pickle.dumps(kv_out))
         outs = self.scheduler.update_from_output(so, fake_model_output(so, kv_out=kv_out))
         for eco in outs.values():
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.kv_stats.append(stats.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.kv_transfer_params
         return so
+
+    def _kv_writes(self, so: Any) -> list[tuple[int, int, float]]:
+        """Stand-in for the model's attention writes: every token computed
+        this step gets a KV value that depends only on the tokens up to it
+        (as real KV does), so equal prefixes have bit-identical KV."""
+        if not self.write_kv:
+            return []
+        mgr = self.scheduler.kv_cache_manager
+        out = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is None or req.is_finished():  # aborted since it was scheduled
+                continue
+            start = req.num_computed_tokens - n  # schedule() already advanced it
+            block_ids = mgr.get_block_ids(req_id)[0]
+            tokens = req.all_token_ids
+            h = 0
+            for pos in range(start + n):
+                h = (h * 1_000_003 + int(tokens[pos]) + 1) % 2_147_483_647
+                if pos >= start:
+                    out.append((block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE, float(h % 65_521)))
+        return out
+
+    def expected_kv(self, tokens: list[int], layer: int) -> torch.Tensor:
+        """The KV the stand-in model writes for ``tokens`` in ``layer``, as
+        (positions, kv_heads, 2 * head_size)."""
+        vals, h = [], 0
+        for t in tokens:
+            h = (h * 1_000_003 + int(t) + 1) % 2_147_483_647
+            vals.append(float(h % 65_521) + layer)
+        v = torch.tensor(vals).view(-1, 1, 1)
+        return v.expand(len(tokens), KV_HEADS, 2 * HEAD_SIZE).clone()
+
+    def device_kv(self, req_id: str, layer: int, num_tokens: int) -> torch.Tensor:
+        """What the paged KV cache holds for a request's first tokens."""
+        kv = list(self.kv_caches.values())[layer]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        rows = [kv[block_ids[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :] for p in range(num_tokens)]
+        return torch.stack(rows)
 
     def run(self, max_steps: int = 200) -> None:
         for _ in range(max_steps):

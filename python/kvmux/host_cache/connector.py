@@ -1,0 +1,177 @@
+"""``KvmuxHostCache``: kvmux's built-in host-memory KV tier as a vLLM connector.
+
+Usable alone (``{"kv_connector": "KvmuxHostCache", "kv_connector_module_path":
+"kvmux", "kv_connector_extra_config": {"capacity_gib": 8}}``) or as a child of
+``KvmuxConnector``. A thin class: the scheduler side is
+:class:`~kvmux.host_cache.scheduler.HostCacheScheduler` (indexed by the Rust
+core), the worker side :class:`~kvmux.host_cache.worker.HostCacheWorker`
+(torch copies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvmux.errors import KvmuxConfigError
+from kvmux.host_cache.config import parse_host_cache_config
+from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
+from kvmux.host_cache.scheduler import HostCacheScheduler
+from kvmux.host_cache.stats import HostCacheStats
+from kvmux.host_cache.worker import HostCacheWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KvmuxHostCache"]
+
+
+def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KvmuxConfigError(
+            f"KvmuxHostCache supports models with one KV cache group, this one has "
+            f"{len(groups)}; run with --disable-hybrid-kv-cache-manager or drop the host tier"
+        )
+    group = groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+class KvmuxHostCache(KVConnectorBase_V1):
+    """A host-memory KV tier: full blocks are saved device->host as they are
+    computed and loaded back for later requests that share the prefix."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = parse_host_cache_config(self._kv_transfer_config.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise KvmuxConfigError(
+                "KvmuxHostCache needs vLLM to pass kv_cache_config (vLLM >= 0.32)"
+            )
+        block_bytes = _block_bytes(kv_cache_config)
+        num_slots = cfg.num_slots(block_bytes)
+        self._sched: HostCacheScheduler | None = None
+        self._worker: HostCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            par = vllm_config.parallel_config
+            workers = par.tensor_parallel_size * par.pipeline_parallel_size
+            self._sched = HostCacheScheduler(
+                vllm_config.cache_config.block_size, num_slots, workers
+            )
+        else:
+            self._worker = HostCacheWorker(kv_cache_config.num_blocks, num_slots, block_bytes)
+
+    # Each side's state exists only in its role; a call from the wrong side
+    # is a programming error in the host, reported plainly.
+    @property
+    def scheduler(self) -> HostCacheScheduler:
+        if self._sched is None:
+            raise RuntimeError("KvmuxHostCache: scheduler-side call on a worker instance")
+        return self._sched
+
+    @property
+    def worker(self) -> HostCacheWorker:
+        if self._worker is None:
+            raise RuntimeError("KvmuxHostCache: worker-side call on a scheduler instance")
+        return self._worker
+
+    # ------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
+        self.scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HostCacheMetadata:
+        if self._kv_cache_manager is None:
+            raise RuntimeError(
+                "KvmuxHostCache: vLLM did not bind its KV cache manager (bind_kv_cache_manager)"
+            )
+        return self.scheduler.build_meta(scheduler_output, self._kv_cache_manager)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None and not isinstance(meta, HostCacheWorkerMetadata):
+            raise TypeError(f"KvmuxHostCache got worker metadata {type(meta).__name__}")
+        self.scheduler.worker_output(meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        return self.scheduler.finished(request), None
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset()
+
+    def num_live_requests(self) -> int:
+        return self.scheduler.num_live_requests()
+
+    def index_stats(self) -> dict[str, int]:
+        """Slot occupancy and lifetime counters of the block index."""
+        return self.scheduler.index.stats()
+
+    # --------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(connector_metadata, HostCacheMetadata):
+            raise TypeError(f"KvmuxHostCache got metadata {type(connector_metadata).__name__}")
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are waited for once, on the GPU, before the forward."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        """Saves run once per step in ``wait_for_save``, batched over layers."""
+
+    def wait_for_save(self) -> None:
+        self.worker.save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        return self.worker.finished_sending() or None, None
+
+    def build_connector_worker_meta(self) -> HostCacheWorkerMetadata | None:
+        return self.worker.take_output()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --------------------------------------------------------------- stats
+
+    def get_kv_connector_stats(self) -> HostCacheStats | None:
+        side = self._sched if self._sched is not None else self._worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HostCacheStats:
+        return HostCacheStats.from_data(data)

@@ -1,0 +1,247 @@
+"""The host tier's data path: torch only (no vLLM), so a GPU check needs
+nothing but torch and the kvmux wheel.
+
+A :class:`HostPool` mirrors the paged KV caches vLLM registered: for every
+layer a host tensor of ``num_slots`` blocks (pinned memory when the KV cache
+is on CUDA). Copies are batched: per step and per layer one gather (save) or
+one scatter (load) over all blocks of all requests, plus one contiguous copy
+per run of consecutive host slots (the index hands out consecutive slots, so
+usually one). On CUDA they run on a side stream: saves start after the
+forward and the next step's forward waits for them on the GPU (never on the
+CPU); loads are waited for on the GPU before the forward reads them.
+
+Supported per-layer layouts (the axis of size ``num_blocks`` is found):
+
+- blocks first: ``(num_blocks, ...)``, e.g. vLLM 0.33's CPU and standard
+  views ``(num_blocks, kv_heads, block_size, 2 * head_size)``;
+- K/V first: ``(2, num_blocks, ...)``, e.g. FlashAttention's
+  ``(2, num_blocks, block_size, kv_heads, head_size)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["HostPool", "Transfer", "UnsupportedKVLayout", "contiguous_runs"]
+
+
+class UnsupportedKVLayout(ValueError):
+    """A registered KV cache tensor whose layout the host tier cannot copy."""
+
+
+def contiguous_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split ``slots`` into maximal runs of consecutive values:
+    ``(position in slots, first slot, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            p, first, n = runs[-1]
+            runs[-1] = (p, first, n + 1)
+        else:
+            runs.append((pos, s, 1))
+    return runs
+
+
+@dataclass
+class _Layer:
+    name: str
+    device: torch.Tensor
+    host: torch.Tensor
+    block_dim: int  # 0: blocks first; 1: K/V first
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """The blocks ``idx`` as a contiguous ``(n, *block_shape)`` tensor."""
+        got = self.device.index_select(self.block_dim, idx)
+        return got if self.block_dim == 0 else got.transpose(0, 1).contiguous()
+
+    def scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` (``(n, *block_shape)``) into the blocks ``idx``."""
+        if self.block_dim == 0:
+            self.device.index_copy_(0, idx, src)
+        else:
+            self.device.index_copy_(1, idx, src.transpose(0, 1))
+
+
+@dataclass
+class Transfer:
+    """One step's batched copy in one direction. ``done()`` polls its event
+    (always True on the CPU, where copies are synchronous)."""
+
+    nbytes: int
+    event: torch.cuda.Event | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    def done(self) -> bool:
+        if self.event is None or self.event.query():
+            self.keep.clear()
+            return True
+        return False
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.keep.clear()
+
+
+def _block_dim(t: torch.Tensor, num_blocks: int) -> int | None:
+    if t.dim() >= 2 and t.shape[0] == num_blocks:
+        return 0
+    if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return 1
+    return None
+
+
+class HostPool:
+    """Host copies of ``num_slots`` KV blocks of every layer of ``kv_caches``."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        num_slots: int,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if not kv_caches:
+            raise ValueError("no KV cache tensors were registered")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        first = next(iter(kv_caches.values()))
+        self.device = first.device
+        self.is_cuda = self.device.type == "cuda"
+        pin = self.is_cuda if pin_memory is None else pin_memory
+        self.num_slots = num_slots
+        self.layers: list[_Layer] = []
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedKVLayout(
+                    f"layer {name!r}: KV cache is a {type(t).__name__}, not a tensor "
+                    "(per-layer lists of tensors are not supported by the host tier)"
+                )
+            if t.device != self.device:
+                raise UnsupportedKVLayout(
+                    f"layer {name!r} is on {t.device} but others are on {self.device}"
+                )
+            dim = _block_dim(t, num_blocks)
+            if dim is None:
+                raise UnsupportedKVLayout(
+                    f"layer {name!r} has KV cache shape {tuple(t.shape)}; the host tier "
+                    f"supports blocks-first ({num_blocks}, ...) and K/V-first "
+                    f"(2, {num_blocks}, ...) layouts. Use an attention backend with one "
+                    "of these layouts or remove KvmuxHostCache from the connectors."
+                )
+            alias = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if alias in seen:  # layers sharing one KV cache are copied once
+                continue
+            seen.add(alias)
+            block_shape = t.shape[1:] if dim == 0 else (2, *t.shape[2:])
+            host = torch.empty((num_slots, *block_shape), dtype=t.dtype, pin_memory=pin)
+            self.layers.append(_Layer(name, t, host, dim))
+        self.block_bytes = sum(
+            layer.host[0].numel() * layer.host.element_size() for layer in self.layers
+        )
+        self._stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self._last_save: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_bytes * self.num_slots
+
+    def _idx(self, values: Sequence[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        return t.to(self.device, non_blocking=True) if self.is_cuda else t
+
+    def fence(self) -> None:
+        """Make the current CUDA stream wait (on the GPU) for the last save,
+        so a forward cannot overwrite blocks a save still reads. Call once per
+        step before the forward."""
+        if self._last_save is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_save)
+            self._last_save = None
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int]) -> Transfer:
+        """Copy device ``blocks`` into host ``slots`` (device -> host)."""
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks but {len(slots)} slots")
+        if not blocks:
+            return Transfer(0)
+        runs = contiguous_runs(slots)
+        nbytes = self.block_bytes * len(blocks)
+        if not self.is_cuda:
+            idx = self._idx(blocks)
+            for layer in self.layers:
+                if layer.block_dim == 0 and len(runs) == 1:
+                    # One pass: gather straight into the host slots.
+                    _, first, n = runs[0]
+                    torch.index_select(layer.device, 0, idx, out=layer.host[first : first + n])
+                else:
+                    self._to_host_runs(layer, layer.gather(idx), runs)
+            return Transfer(nbytes)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        keep: list[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            idx = self._idx(blocks)
+            for layer in self.layers:
+                gathered = layer.gather(idx)
+                self._to_host_runs(layer, gathered, runs, non_blocking=True)
+                keep.append(gathered)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._last_save = event
+        return Transfer(nbytes, event, keep)
+
+    @staticmethod
+    def _to_host_runs(
+        layer: _Layer,
+        gathered: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        non_blocking: bool = False,
+    ) -> None:
+        for pos, first, n in runs:
+            layer.host[first : first + n].copy_(gathered[pos : pos + n], non_blocking=non_blocking)
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
+        """Copy host ``slots`` into device ``blocks`` (host -> device). On
+        CUDA the current stream waits for the copy on the GPU."""
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(blocks)} blocks")
+        if not blocks:
+            return Transfer(0)
+        runs = contiguous_runs(slots)
+        nbytes = self.block_bytes * len(blocks)
+        if not self.is_cuda:
+            idx = self._idx(blocks)
+            sidx = None if len(runs) == 1 else torch.tensor(slots, dtype=torch.long)
+            for layer in self.layers:
+                if sidx is None:
+                    _, first, n = runs[0]
+                    src = layer.host[first : first + n]  # a view: one pass
+                else:
+                    src = layer.host.index_select(0, sidx)
+                layer.scatter(idx, src)
+            return Transfer(nbytes)
+        stream = self._stream
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        keep: list[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            idx = self._idx(blocks)
+            for layer in self.layers:
+                staging = torch.empty(
+                    (len(blocks), *layer.host.shape[1:]),
+                    dtype=layer.host.dtype,
+                    device=self.device,
+                )
+                for pos, first, n in runs:
+                    staging[pos : pos + n].copy_(layer.host[first : first + n], non_blocking=True)
+                layer.scatter(idx, staging)
+                keep.append(staging)
+            event = torch.cuda.Event()
+            event.record(stream)
+        current.wait_event(event)
+        return Transfer(nbytes, event, keep)

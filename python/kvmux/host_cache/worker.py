@@ -1,0 +1,147 @@
+"""The host tier's worker side: applies each step's loads and saves with the
+torch copy path (:mod:`kvmux.host_cache.transfer`) and reports completions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
+from kvmux.host_cache.stats import HostCacheStats
+from kvmux.host_cache.transfer import HostPool, Transfer
+
+logger = logging.getLogger("kvmux.host_cache")
+
+__all__ = ["HostCacheWorker"]
+
+
+class HostCacheWorker:
+    def __init__(self, num_device_blocks: int, num_slots: int, block_bytes: int) -> None:
+        self.num_device_blocks = num_device_blocks
+        self.num_slots = num_slots
+        self.expected_block_bytes = block_bytes
+        self.pool: HostPool | None = None
+        self._meta: HostCacheMetadata | None = None
+        # In-flight saves: (transfer, {req_id: slots}) in issue order.
+        self._saves: list[tuple[Transfer, dict[str, tuple[int, ...]]]] = []
+        self._loads: list[tuple[Transfer, tuple[int, ...]]] = []
+        self._awaiting: set[str] = set()
+        self._out = HostCacheWorkerMetadata()
+        self._load_errors: set[int] = set()
+        self.stats = HostCacheStats()
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        pool = HostPool(kv_caches, self.num_device_blocks, self.num_slots)
+        if pool.block_bytes != self.expected_block_bytes:
+            raise ValueError(
+                f"KvmuxHostCache: the registered KV caches hold {pool.block_bytes} bytes per "
+                f"block but the KV cache config says {self.expected_block_bytes}; the host "
+                "tier cannot size its pool consistently with the scheduler"
+            )
+        self.pool = pool
+        logger.info(
+            "KvmuxHostCache: %d host blocks of %d bytes (%.2f GiB, %s) for %d layers on %s",
+            pool.num_slots,
+            pool.block_bytes,
+            pool.nbytes / (1 << 30),
+            "pinned" if pool.is_cuda else "pageable",
+            len(pool.layers),
+            pool.device,
+        )
+
+    def bind(self, meta: HostCacheMetadata) -> None:
+        if self.pool is not None:
+            self.pool.fence()
+        self._meta = meta
+        self._awaiting.update(meta.finished_async)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def _need_pool(self) -> HostPool:
+        if self.pool is None:
+            raise RuntimeError(
+                "KvmuxHostCache got copy work before register_kv_caches; vLLM registers "
+                "the KV caches before the first step"
+            )
+        return self.pool
+
+    def start_load(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads:
+            return
+        slots: list[int] = []
+        blocks: list[int] = []
+        for job in meta.loads:
+            if job.failed:
+                self._load_errors.update(job.blocks)
+            else:
+                slots.extend(job.slots)
+                blocks.extend(job.blocks)
+        if not blocks:
+            return
+        try:
+            transfer = self._need_pool().load(slots, blocks)
+        except Exception:
+            logger.exception(
+                "KvmuxHostCache: load of %d blocks failed; vLLM recomputes them", len(blocks)
+            )
+            self._load_errors.update(blocks)
+            transfer = Transfer(0)
+        self.stats.add("bytes_loaded", transfer.nbytes)
+        self._loads.append((transfer, tuple(slots)))
+
+    def save(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.saves:
+            return
+        blocks: list[int] = []
+        slots: list[int] = []
+        owners: dict[str, tuple[int, ...]] = {}
+        for job in meta.saves:
+            blocks.extend(job.blocks)
+            slots.extend(job.slots)
+            owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
+        try:
+            transfer = self._need_pool().save(blocks, slots)
+        except Exception:
+            logger.exception("KvmuxHostCache: save of %d blocks failed; dropping them", len(blocks))
+            self._out.failed_saves.update(slots)
+            return
+        self.stats.add("bytes_saved", transfer.nbytes)
+        self._saves.append((transfer, owners))
+
+    def _poll(self) -> None:
+        while self._saves and self._saves[0][0].done():
+            _, owners = self._saves.pop(0)
+            for slots in owners.values():
+                self._out.saved.update(slots)
+        while self._loads and self._loads[0][0].done():
+            _, slots = self._loads.pop(0)
+            self._out.loaded.update(slots)
+
+    def finished_sending(self) -> set[str]:
+        """Requests that finished asynchronously and whose saves are done."""
+        self._poll()
+        if not self._awaiting:
+            return set()
+        busy = {r for _, owners in self._saves for r in owners}
+        done = self._awaiting - busy
+        self._awaiting -= done
+        return done
+
+    def take_output(self) -> HostCacheWorkerMetadata | None:
+        self._poll()
+        out, self._out = self._out, HostCacheWorkerMetadata()
+        return None if out.is_empty() else out
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for transfer, _ in self._saves + self._loads:  # type: ignore[operator]
+            transfer.wait()
+        self._poll()

@@ -1,0 +1,530 @@
+//! The host tier's index: block hash -> host slot, LRU eviction, pins.
+//!
+//! A fixed pool of `capacity` slots. A slot is `Free`, `Writing` (reserved
+//! for a save the workers have not confirmed: never readable) or `Ready`.
+//! Pinned slots (an in-flight load reads them, an in-flight save writes them)
+//! are never evicted: they are not in the LRU list at all, so eviction is
+//! O(1) (pop the least recently used unpinned ready slot).
+//!
+//! Free slots are handed out lowest first, so a step's saves into a fresh
+//! pool get consecutive slots and the copy path can move them in one op.
+//!
+//! One `BlockIndex` is one global LRU order, so it is not sharded; callers
+//! hold it behind one lock and make one call per request or per step.
+
+use std::collections::{BTreeSet, HashMap};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    Writing,
+    Ready,
+}
+
+#[derive(Debug)]
+struct Slot {
+    key: Option<Box<[u8]>>,
+    state: SlotState,
+    pins: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Lifetime counters of an index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexCounters {
+    pub stored: u64,
+    pub evicted: u64,
+    pub aborted: u64,
+}
+
+#[derive(Debug)]
+pub struct BlockIndex {
+    slots: Vec<Slot>,
+    map: HashMap<Box<[u8]>, u32>,
+    free: BTreeSet<u32>,
+    /// Least recently used end of the list of unpinned ready slots.
+    head: u32,
+    /// Most recently used end.
+    tail: u32,
+    counters: IndexCounters,
+}
+
+impl BlockIndex {
+    pub fn new(capacity: usize) -> Self {
+        assert!(capacity < NIL as usize, "capacity must fit in u32");
+        Self {
+            slots: (0..capacity)
+                .map(|_| Slot {
+                    key: None,
+                    state: SlotState::Free,
+                    pins: 0,
+                    prev: NIL,
+                    next: NIL,
+                })
+                .collect(),
+            map: HashMap::with_capacity(capacity),
+            free: (0..capacity as u32).collect(),
+            head: NIL,
+            tail: NIL,
+            counters: IndexCounters::default(),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Number of leading `keys` whose blocks are ready to load.
+    pub fn longest_prefix<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        keys.iter()
+            .take_while(|k| {
+                self.map
+                    .get(k.as_ref())
+                    .is_some_and(|&s| self.slots[s as usize].state == SlotState::Ready)
+            })
+            .count()
+    }
+
+    /// Pin the slots of `keys` for a load. All must be ready; otherwise
+    /// nothing is pinned and `None` is returned.
+    pub fn pin_ready<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Option<Vec<u32>> {
+        let mut slots = Vec::with_capacity(keys.len());
+        for k in keys {
+            let &s = self.map.get(k.as_ref())?;
+            if self.slots[s as usize].state != SlotState::Ready {
+                return None;
+            }
+            slots.push(s);
+        }
+        for &s in &slots {
+            self.pin(s);
+        }
+        Some(slots)
+    }
+
+    /// Reserve slots to save the blocks of `keys` that are not cached yet.
+    /// Returns `(position in keys, slot)` for each reserved block, in order;
+    /// reserved slots are `Writing` and pinned until `commit` or `abort`.
+    /// Cached keys are marked recently used. Stops early when every other
+    /// slot is pinned (the pool is full of in-flight work).
+    pub fn reserve<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Vec<(usize, u32)> {
+        for k in keys {
+            if let Some(&s) = self.map.get(k.as_ref()) {
+                self.touch(s);
+            }
+        }
+        let mut out = Vec::new();
+        for (pos, k) in keys.iter().enumerate() {
+            if self.map.contains_key(k.as_ref()) {
+                continue;
+            }
+            let Some(s) = self.take_slot() else { break };
+            let key: Box<[u8]> = k.as_ref().into();
+            let slot = &mut self.slots[s as usize];
+            slot.key = Some(key.clone());
+            slot.state = SlotState::Writing;
+            slot.pins = 1;
+            self.map.insert(key, s);
+            out.push((pos, s));
+        }
+        out
+    }
+
+    /// Saves into `slots` are done: they become ready (and unpinned).
+    /// Returns how many were committed (others were not `Writing`).
+    pub fn commit(&mut self, slots: &[u32]) -> usize {
+        let mut n = 0;
+        for &s in slots {
+            if self.state(s) == Some(SlotState::Writing) {
+                self.slots[s as usize].state = SlotState::Ready;
+                self.counters.stored += 1;
+                self.unpin_one(s);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Saves into `slots` failed or were dropped: free them.
+    pub fn abort(&mut self, slots: &[u32]) -> usize {
+        let mut n = 0;
+        for &s in slots {
+            if self.state(s) == Some(SlotState::Writing) {
+                self.counters.aborted += 1;
+                self.release(s);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Loads from `slots` are done: unpin them.
+    pub fn unpin(&mut self, slots: &[u32]) {
+        for &s in slots {
+            if self.state(s) == Some(SlotState::Ready) {
+                self.unpin_one(s);
+            }
+        }
+    }
+
+    /// Drop every ready, unpinned block (vLLM's `reset_cache`). Returns the
+    /// number dropped; in-flight work is untouched.
+    pub fn clear_unpinned(&mut self) -> usize {
+        let mut n = 0;
+        while self.head != NIL {
+            let s = self.head;
+            self.release(s);
+            n += 1;
+        }
+        n
+    }
+
+    pub fn state(&self, slot: u32) -> Option<SlotState> {
+        self.slots.get(slot as usize).map(|s| s.state)
+    }
+
+    pub fn pins(&self, slot: u32) -> u32 {
+        self.slots.get(slot as usize).map_or(0, |s| s.pins)
+    }
+
+    pub fn counters(&self) -> IndexCounters {
+        self.counters
+    }
+
+    /// (free, writing, ready, pinned) slot counts.
+    pub fn occupancy(&self) -> (usize, usize, usize, usize) {
+        let mut c = (0, 0, 0, 0);
+        for s in &self.slots {
+            match s.state {
+                SlotState::Free => c.0 += 1,
+                SlotState::Writing => c.1 += 1,
+                SlotState::Ready => c.2 += 1,
+            }
+            if s.pins > 0 {
+                c.3 += 1;
+            }
+        }
+        c
+    }
+
+    /// Check every structural invariant; `Err` names the first broken one.
+    pub fn check(&self) -> Result<(), String> {
+        let mut in_lru = vec![false; self.slots.len()];
+        let (mut cur, mut prev) = (self.head, NIL);
+        while cur != NIL {
+            let s = &self.slots[cur as usize];
+            if s.prev != prev {
+                return Err(format!("slot {cur}: broken LRU back link"));
+            }
+            if s.state != SlotState::Ready || s.pins != 0 {
+                return Err(format!(
+                    "slot {cur}: in LRU but {:?} with {} pins",
+                    s.state, s.pins
+                ));
+            }
+            in_lru[cur as usize] = true;
+            prev = cur;
+            cur = s.next;
+        }
+        if prev != self.tail {
+            return Err("LRU tail mismatch".into());
+        }
+        for (i, s) in self.slots.iter().enumerate() {
+            let free = self.free.contains(&(i as u32));
+            match s.state {
+                SlotState::Free if !free || s.key.is_some() || s.pins != 0 => {
+                    return Err(format!("slot {i}: free slot not clean"))
+                }
+                SlotState::Writing if s.pins == 0 => {
+                    return Err(format!("slot {i}: writing but unpinned"))
+                }
+                SlotState::Ready if (s.pins == 0) != in_lru[i] => {
+                    return Err(format!("slot {i}: ready, LRU membership wrong"))
+                }
+                SlotState::Writing | SlotState::Ready => {
+                    let key = s.key.as_ref().ok_or(format!("slot {i}: no key"))?;
+                    if self.map.get(key) != Some(&(i as u32)) || free {
+                        return Err(format!("slot {i}: map or free list disagrees"));
+                    }
+                }
+                SlotState::Free => {}
+            }
+        }
+        if self.map.len() + self.free.len() != self.slots.len() {
+            return Err("map + free != capacity".into());
+        }
+        Ok(())
+    }
+
+    fn take_slot(&mut self) -> Option<u32> {
+        if let Some(s) = self.free.pop_first() {
+            return Some(s);
+        }
+        let victim = self.head;
+        if victim == NIL {
+            return None;
+        }
+        self.counters.evicted += 1;
+        self.release(victim);
+        self.free.pop_first()
+    }
+
+    /// Make `s` free: out of the LRU list and the map.
+    fn release(&mut self, s: u32) {
+        self.unlink(s);
+        let slot = &mut self.slots[s as usize];
+        if let Some(key) = slot.key.take() {
+            self.map.remove(&key);
+        }
+        slot.state = SlotState::Free;
+        slot.pins = 0;
+        self.free.insert(s);
+    }
+
+    fn pin(&mut self, s: u32) {
+        if self.slots[s as usize].pins == 0 {
+            self.unlink(s);
+        }
+        self.slots[s as usize].pins += 1;
+    }
+
+    fn unpin_one(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        if slot.pins == 0 {
+            return;
+        }
+        slot.pins -= 1;
+        if slot.pins == 0 && slot.state == SlotState::Ready {
+            self.push_tail(s);
+        }
+    }
+
+    fn touch(&mut self, s: u32) {
+        let slot = &self.slots[s as usize];
+        if slot.state == SlotState::Ready && slot.pins == 0 {
+            self.unlink(s);
+            self.push_tail(s);
+        }
+    }
+
+    fn is_linked(&self, s: u32) -> bool {
+        self.head == s || self.slots[s as usize].prev != NIL
+    }
+
+    fn unlink(&mut self, s: u32) {
+        if !self.is_linked(s) {
+            return;
+        }
+        let (prev, next) = {
+            let slot = &self.slots[s as usize];
+            (slot.prev, slot.next)
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        let slot = &mut self.slots[s as usize];
+        slot.prev = NIL;
+        slot.next = NIL;
+    }
+
+    fn push_tail(&mut self, s: u32) {
+        let old = self.tail;
+        {
+            let slot = &mut self.slots[s as usize];
+            slot.prev = old;
+            slot.next = NIL;
+        }
+        if old == NIL {
+            self.head = s;
+        } else {
+            self.slots[old as usize].next = s;
+        }
+        self.tail = s;
+    }
+}
+
+/// Chained block hashes of a token sequence, for requests vLLM gives no
+/// block hashes (prefix caching off): block i's hash covers block i's tokens
+/// and, through the chain, every token before it. Only full blocks.
+pub fn chain_token_hashes(tokens: &[u32], block_size: usize, seed: &[u8]) -> Vec<[u8; 16]> {
+    use xxhash_rust::xxh3::Xxh3;
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut prev: [u8; 16] = xxhash_rust::xxh3::xxh3_128(seed).to_le_bytes();
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            let mut h = Xxh3::new();
+            h.update(&prev);
+            for t in block {
+                h.update(&t.to_le_bytes());
+            }
+            prev = h.digest128().to_le_bytes();
+            prev
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn k(i: u32) -> Vec<u8> {
+        i.to_le_bytes().to_vec()
+    }
+
+    fn keys(r: std::ops::Range<u32>) -> Vec<Vec<u8>> {
+        r.map(k).collect()
+    }
+
+    fn save(ix: &mut BlockIndex, ks: &[Vec<u8>]) -> Vec<u32> {
+        let slots: Vec<u32> = ix.reserve(ks).into_iter().map(|(_, s)| s).collect();
+        ix.commit(&slots);
+        slots
+    }
+
+    #[test]
+    fn saved_prefix_is_found_and_writing_blocks_are_not() {
+        let mut ix = BlockIndex::new(8);
+        save(&mut ix, &keys(0..3));
+        let writing = ix.reserve(&keys(3..4));
+        assert_eq!(ix.longest_prefix(&keys(0..6)), 3);
+        ix.commit(&[writing[0].1]);
+        assert_eq!(ix.longest_prefix(&keys(0..6)), 4);
+        assert_eq!(ix.longest_prefix(&keys(1..6)), 3);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn fresh_pool_hands_out_consecutive_slots() {
+        let mut ix = BlockIndex::new(8);
+        let got: Vec<u32> = ix
+            .reserve(&keys(10..14))
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(got, [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn lru_evicts_least_recent_and_never_pinned() {
+        let mut ix = BlockIndex::new(3);
+        save(&mut ix, &keys(0..3));
+        let pinned = ix.pin_ready(&keys(0..1)).unwrap();
+        ix.reserve(&keys(1..2)); // touch key 1: key 2 is now least recent unpinned
+        let got = save(&mut ix, &keys(10..11));
+        assert_eq!(got.len(), 1);
+        assert_eq!(ix.longest_prefix(&keys(0..2)), 2);
+        assert_eq!(ix.longest_prefix(&keys(2..3)), 0);
+        assert_eq!(ix.counters().evicted, 1);
+        // Everything else pinned or in flight: a reservation stops early.
+        ix.pin_ready(&keys(1..2)).unwrap();
+        ix.pin_ready(&keys(10..11)).unwrap();
+        assert!(ix.reserve(&keys(20..22)).is_empty());
+        ix.unpin(&pinned);
+        assert_eq!(ix.reserve(&keys(20..22)).len(), 1);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn abort_frees_and_clear_keeps_in_flight_work() {
+        let mut ix = BlockIndex::new(4);
+        save(&mut ix, &keys(0..2));
+        let w: Vec<u32> = ix
+            .reserve(&keys(5..6))
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(ix.clear_unpinned(), 2);
+        assert_eq!(ix.state(w[0]), Some(SlotState::Writing));
+        assert_eq!(ix.abort(&w), 1);
+        assert_eq!(ix.occupancy(), (4, 0, 0, 0));
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn chained_hashes_depend_on_every_earlier_token() {
+        let a = chain_token_hashes(&[1, 2, 3, 4, 5, 6, 7], 2, b"s");
+        assert_eq!(a.len(), 3);
+        let b = chain_token_hashes(&[9, 2, 3, 4, 5, 6], 2, b"s");
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        let c = chain_token_hashes(&[1, 2, 3, 4, 0, 0], 2, b"s");
+        assert_eq!(a[..2], c[..2]);
+        assert_ne!(a[2], c[2]);
+        assert_ne!(chain_token_hashes(&[1, 2], 2, b"salt")[0], a[0]);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Save(Vec<u8>),
+        Reserve(Vec<u8>),
+        CommitOldest,
+        AbortOldest,
+        PinPrefix(u8),
+        UnpinOldest,
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let ks = proptest::collection::vec(0u8..24, 1..6);
+        prop_oneof![
+            4 => ks.clone().prop_map(Op::Save),
+            2 => ks.prop_map(Op::Reserve),
+            2 => Just(Op::CommitOldest),
+            1 => Just(Op::AbortOldest),
+            2 => (1u8..5).prop_map(Op::PinPrefix),
+            2 => Just(Op::UnpinOldest),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        /// Under any sequence of operations: the structure stays consistent,
+        /// a pinned slot keeps its key, nothing is ever beyond capacity.
+        #[test]
+        fn invariants_hold(ops in proptest::collection::vec(op(), 1..80), cap in 1usize..10) {
+            let mut ix = BlockIndex::new(cap);
+            let mut writing: Vec<Vec<u32>> = Vec::new();
+            let mut pins: Vec<(Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Save(ks) => { let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect(); save(&mut ix, &ks); }
+                    Op::Reserve(ks) => {
+                        let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect();
+                        writing.push(ix.reserve(&ks).into_iter().map(|(_, s)| s).collect());
+                    }
+                    Op::CommitOldest => if !writing.is_empty() { let w = writing.remove(0); ix.commit(&w); },
+                    Op::AbortOldest => if !writing.is_empty() { let w = writing.remove(0); ix.abort(&w); },
+                    Op::PinPrefix(n) => {
+                        let ks: Vec<Vec<u8>> = (0..n).map(|b| vec![b]).collect();
+                        if let Some(s) = ix.pin_ready(&ks) { pins.push((s, ks)); }
+                    }
+                    Op::UnpinOldest => if !pins.is_empty() { let (s, _) = pins.remove(0); ix.unpin(&s); },
+                    Op::Clear => { ix.clear_unpinned(); }
+                }
+                prop_assert!(ix.check().is_ok(), "{:?}", ix.check());
+                for (slots, ks) in &pins {
+                    prop_assert_eq!(ix.longest_prefix(ks), ks.len());
+                    for &s in slots { prop_assert!(ix.pins(s) > 0); }
+                }
+                for w in &writing {
+                    for &s in w { prop_assert_eq!(ix.state(s), Some(SlotState::Writing)); }
+                }
+                let (f, w, r, _) = ix.occupancy();
+                prop_assert_eq!(f + w + r, cap);
+            }
+        }
+    }
+}
