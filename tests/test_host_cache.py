@@ -202,11 +202,16 @@ def test_works_as_a_child_of_kvmux_beside_another_child(driver_factory):
     d.add("A", PREFIX + [1])
     d.run()
     d.scheduler.reset_prefix_cache()
-    d.add("B", PREFIX + [2] * 3, kv_transfer_params={"num_extra_cached_tokens": True})
+    d.add("B", PREFIX + [2] * 3,
+          kv_transfer_params={"num_extra_cached_tokens": True, "host_cache_stats": True})
     d.step()
     assert torch.equal(d.device_kv("B", 0, 48), d.expected_kv(PREFIX, 0))
     d.run()
-    assert d.finished["B"] == {"pd": "ok", "num_extra_cached_tokens": 48}
+    assert d.finished["B"] == {
+        "pd": "ok",
+        "host_cache_stats": {"loaded_tokens": 48, "saved_blocks": 0},
+        "num_extra_cached_tokens": 48,
+    }
     stats = d.connector.mux_stats()["children"]["KvmuxHostCache"]
     assert stats["loads"] == 1 and stats["load_tokens"] == 48
     host = d.connector.children[0]

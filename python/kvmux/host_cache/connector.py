@@ -113,8 +113,10 @@ class KvmuxHostCache(KVConnectorBase_V1):
             raise TypeError(f"KvmuxHostCache got worker metadata {type(meta).__name__}")
         self.scheduler.worker_output(meta)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        return self.scheduler.finished(request), None
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request)
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset()

@@ -38,7 +38,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["HostCacheScheduler"]
+__all__ = ["STATS_KEY", "HostCacheScheduler"]
+
+#: Ask for it in a request's ``kv_transfer_params`` to get the tier's
+#: per-request numbers back in the finished request's params.
+STATS_KEY = "host_cache_stats"
 
 
 @dataclass
@@ -50,6 +54,9 @@ class _Req:
     """Leading blocks already saved, being saved, or found cached."""
     inflight: set[int] = field(default_factory=set)
     """Reserved slots whose save is not confirmed yet."""
+    loaded_tokens: int = 0
+    saved_blocks_new: int = 0
+    """Blocks this request added to the tier."""
 
 
 class HostCacheScheduler:
@@ -107,6 +114,7 @@ class HostCacheScheduler:
             self._loads.append(LoadJob(request.request_id, (), tuple(block_ids), failed=True))
             return
         self.stats.add("loaded_tokens", num_external_tokens)
+        st.loaded_tokens += num_external_tokens
         self._loads.append(LoadJob(request.request_id, tuple(slots), tuple(block_ids)))
 
     def build_meta(
@@ -135,6 +143,7 @@ class HostCacheScheduler:
                     )
                 )
                 st.inflight.update(slots)
+                st.saved_blocks_new += len(slots)
                 for s in slots:
                     self._save_acks[s] = self.num_workers
                     self._slot_owner[s] = req_id
@@ -178,9 +187,11 @@ class HostCacheScheduler:
         if st is not None:
             st.inflight.discard(slot)
 
-    def finished(self, request: Request) -> bool:
-        """The request ends; True when its saves are still in flight (vLLM
-        must keep its blocks until the workers report it)."""
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """The request ends: ``(async_save, params)``. ``async_save`` is True
+        while its saves are in flight (vLLM keeps its blocks until the workers
+        report it). ``params`` is ``{"host_cache_stats": {...}}`` when the
+        request's ``kv_transfer_params`` ask for ``host_cache_stats``."""
         req_id = request.request_id
         st = self._reqs.pop(req_id, None)
         # Loads allocated but never shipped (aborted within the step).
@@ -191,10 +202,19 @@ class HostCacheScheduler:
             else:
                 kept.append(job)
         self._loads = kept
+        asked = getattr(request, "kv_transfer_params", None)
+        params = None
+        if isinstance(asked, dict) and STATS_KEY in asked:
+            params = {
+                STATS_KEY: {
+                    "loaded_tokens": st.loaded_tokens if st else 0,
+                    "saved_blocks": st.saved_blocks_new if st else 0,
+                }
+            }
         if st is None or not st.inflight:
-            return False
+            return False, params
         self._finished_async.append(req_id)
-        return True
+        return True, params
 
     def _drop_load(self, job: LoadJob) -> None:
         if not job.failed:

@@ -1,0 +1,5 @@
+"""``python -m kvmux``: see ``python -m kvmux --help``."""
+
+from kvmux.cli import main
+
+raise SystemExit(main())
