@@ -51,10 +51,14 @@ def _timed(fn, device: torch.device, reps: int) -> list[float]:
 
 
 def make_kv(device, layers, blocks, heads, block_size, head, dtype, kv_first):
-    shape = (2, blocks, block_size, heads, head) if kv_first else (blocks, heads, block_size, 2 * head)
+    shape = (
+        (2, blocks, block_size, heads, head) if kv_first else (blocks, heads, block_size, 2 * head)
+    )
     gen = torch.Generator(device=device).manual_seed(0)
-    return {f"layer.{i}": torch.randn(shape, device=device, dtype=dtype, generator=gen)
-            for i in range(layers)}
+    return {
+        f"layer.{i}": torch.randn(shape, device=device, dtype=dtype, generator=gen)
+        for i in range(layers)
+    }
 
 
 def check_round_trip(device, dtype, kv_first: bool) -> bool:
@@ -77,8 +81,16 @@ def check_round_trip(device, dtype, kv_first: bool) -> bool:
 
 
 def bandwidth(device, dtype, args) -> dict[str, float]:
-    kv = make_kv(device, args.layers, args.blocks, args.heads, args.block_size, args.head,
-                 dtype, kv_first=False)
+    kv = make_kv(
+        device,
+        args.layers,
+        args.blocks,
+        args.heads,
+        args.block_size,
+        args.head,
+        dtype,
+        kv_first=False,
+    )
     step = args.step_blocks
     pool = HostPool(kv, num_blocks=args.blocks, num_slots=step)
     gen = torch.Generator().manual_seed(1)
@@ -90,10 +102,16 @@ def bandwidth(device, dtype, args) -> dict[str, float]:
     host_flat = torch.empty(nbytes // 2, dtype=torch.float16, pin_memory=pin)
     res = {}
     for name, kvmux_fn, plain_fn in (
-        ("d2h", lambda: pool.save(blocks, slots).wait(),
-         lambda: host_flat.copy_(dev_flat, non_blocking=pin)),
-        ("h2d", lambda: pool.load(slots, blocks).wait(),
-         lambda: dev_flat.copy_(host_flat, non_blocking=pin)),
+        (
+            "d2h",
+            lambda: pool.save(blocks, slots).wait(),
+            lambda: host_flat.copy_(dev_flat, non_blocking=pin),
+        ),
+        (
+            "h2d",
+            lambda: pool.load(slots, blocks).wait(),
+            lambda: dev_flat.copy_(host_flat, non_blocking=pin),
+        ),
     ):
         k = _timed(kvmux_fn, device, args.reps)
         p = _timed(plain_fn, device, args.reps)
@@ -122,7 +140,9 @@ def overlap(device, dtype) -> bool:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--blocks", type=int, default=4096, help="device KV blocks per layer")
@@ -136,7 +156,13 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.layers, args.blocks, args.step_blocks, args.heads, args.head, args.reps = (
-            4, 256, 32, 2, 64, 3)
+            4,
+            256,
+            32,
+            2,
+            64,
+            3,
+        )
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     results: dict[str, object] = {"device": str(device), "dtype": str(dtype)}

@@ -202,8 +202,11 @@ def test_works_as_a_child_of_kvmux_beside_another_child(driver_factory):
     d.add("A", PREFIX + [1])
     d.run()
     d.scheduler.reset_prefix_cache()
-    d.add("B", PREFIX + [2] * 3,
-          kv_transfer_params={"num_extra_cached_tokens": True, "host_cache_stats": True})
+    d.add(
+        "B",
+        PREFIX + [2] * 3,
+        kv_transfer_params={"num_extra_cached_tokens": True, "host_cache_stats": True},
+    )
     d.step()
     assert torch.equal(d.device_kv("B", 0, 48), d.expected_kv(PREFIX, 0))
     d.run()

@@ -89,21 +89,29 @@ def run(args: argparse.Namespace) -> int:
             n = req.num_computed_tokens
             if n:
                 toks = sim.scheduler.requests[req.req_id].all_token_ids[:n]
-                loaded_ok.append(all(
-                    torch.equal(sim.device_kv(req.req_id, layer, n), sim.expected_kv(toks, layer))
-                    for layer in range(len(sim.kv_caches))
-                ))
+                loaded_ok.append(
+                    all(
+                        torch.equal(
+                            sim.device_kv(req.req_id, layer, n), sim.expected_kv(toks, layer)
+                        )
+                        for layer in range(len(sim.kv_caches))
+                    )
+                )
         return so
 
     sim.step = checked_step  # type: ignore[method-assign]
     t2, ids2 = one_pass("pass2")
 
     stats = sim.connector.mux_stats()
-    print(f"\n{'child':<22}{'lookups':>9}{'hits':>6}{'hit tok':>9}{'loads':>7}"
-          f"{'load tok':>10}{'async saves':>13}")
+    print(
+        f"\n{'child':<22}{'lookups':>9}{'hits':>6}{'hit tok':>9}{'loads':>7}"
+        f"{'load tok':>10}{'async saves':>13}"
+    )
     for name, c in stats["children"].items():
-        print(f"{name:<22}{c['lookups']:>9}{c['hits']:>6}{c['hit_tokens']:>9}{c['loads']:>7}"
-              f"{c['load_tokens']:>10}{c['async_saves']:>13}")
+        print(
+            f"{name:<22}{c['lookups']:>9}{c['hits']:>6}{c['hit_tokens']:>9}{c['loads']:>7}"
+            f"{c['load_tokens']:>10}{c['async_saves']:>13}"
+        )
     extra = [sim.finished[r]["num_extra_cached_tokens"] for r in ids2]
     print("\nmerged kv_transfer_params of the first pass-2 request:")
     print("  ", sim.finished[ids2[0]])
