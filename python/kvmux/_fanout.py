@@ -58,14 +58,6 @@ def _none(_: Any, answers: list[Any]) -> None:
     return None
 
 
-def _union(_: Any, answers: list[Any]) -> set[Any]:
-    out: set[Any] = set()
-    for a in answers:
-        if a:
-            out |= set(a)
-    return out
-
-
 def _any(_: Any, answers: list[Any]) -> bool:
     return any(bool(a) for a in answers)
 
@@ -130,7 +122,6 @@ FANOUT_HOOKS: dict[str, Hook] = {
     "wait_for_save": Hook(_none),
     "finish_forward": Hook(_none),
     "reset_capture_state": Hook(_none),
-    "get_block_ids_with_load_errors": Hook(_union),
     "get_mem_pool_context": Hook(_at_most_one),
     "get_handshake_metadata": Hook(_first_not_none),
     "set_xfer_handshake_metadata": Hook(_none),

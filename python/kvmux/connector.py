@@ -41,7 +41,7 @@ from kvmux._fanout import call_child, call_children, install_fanout, layer_hook
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import KvmuxStats, build_child_stats
+from kvmux.stats import KvmuxStats, build_child_stats, nested_add, nested_sub
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,8 +109,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra_saves: dict[str, int] = {}
         # Worker side: the countdown of those completions.
         self._countdown = SaveCountdown()
-        # Counter values already reported through get_kv_connector_stats.
-        self._reported: dict[str, int] = {}
+        # Worker-side counters, and all counter values already reported
+        # through get_kv_connector_stats.
+        self._worker_counters = {"finished_sending": 0, "load_failed_blocks": 0}
+        self._reported: dict[str, Any] = {}
         # Per-layer hot path: only children whose hook does something.
         self.wait_for_layer_load: Callable[[str], None] = layer_hook(
             self._children, "wait_for_layer_load"
@@ -383,7 +385,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         for snd, rcv in call_children(self, "get_finished", finished_req_ids):
             sending.extend(snd or ())
             recving.update(rcv or ())
-        return self._countdown.complete(sending) or None, recving or None
+        done = self._countdown.complete(sending)
+        self._worker_counters["finished_sending"] += len(done)
+        return done or None, recving or None
 
     if _versions.HAS_TRANSFER_RESULTS:
 
@@ -395,6 +399,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 out.finished_recving.update(res.finished_recving)
                 out.failed_recving.update(res.failed_recving)
             out.finished_sending = self._countdown.complete(sending)
+            self._worker_counters["finished_sending"] += len(out.finished_sending)
             return out
 
     def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
@@ -410,15 +415,23 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             self._names, call_children(self, "get_kv_connector_stats"), self._counter_deltas()
         )
 
-    def _counter_deltas(self) -> dict[str, int]:
-        snap = self._core.stats()
-        flat = {k: v for k, v in snap.items() if isinstance(v, int) and k != "live_requests"}
-        for child, counters in snap["children"].items():
-            for k, v in counters.items():
-                flat[f"{child}.{k}"] = v
-        deltas = {k: v - self._reported.get(k, 0) for k, v in flat.items()}
-        self._reported = flat
+    def _counter_deltas(self) -> dict[str, Any]:
+        """kvmux's counters since the last call (nested; see kvmux.stats)."""
+        now = self._core.stats()
+        del now["live_requests"]
+        clashes = now.pop("clashes_resolved") + now.pop("clashes_raised")
+        now["clashes"] = {self._cfg.clash_policy: clashes}
+        nested_add(now, self._worker_counters)
+        deltas = nested_sub(now, self._reported)
+        self._reported = now
         return deltas
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = set()
+        for blocks in call_children(self, "get_block_ids_with_load_errors"):
+            failed |= set(blocks or ())
+        self._worker_counters["load_failed_blocks"] += len(failed)
+        return failed
 
     # vLLM calls these on the hot path per layer; they are instance attributes
     # bound in __init__ (see kvmux._fanout.layer_hook). The methods below are

@@ -39,6 +39,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -198,27 +199,42 @@ def fake_model_output(
 
 
 class SchedulerSim:
-    """vLLM's v1 ``Scheduler`` (with its scheduler-side connector) plus a
-    worker-side connector built from the same config. Each step pickles the
-    scheduler's connector metadata to the worker, runs the worker hooks a
-    model runner runs, and feeds the worker's ``KVConnectorOutput`` back.
-    The model itself is the one stand-in (see ``fake_model_output``).
+    """vLLM's v1 ``Scheduler`` (with its scheduler-side connector) plus
+    ``workers`` worker-side connectors built from the same config, as tensor
+    parallel ranks each with its own KV cache tensors. Each step pickles the
+    scheduler's connector metadata to every worker, runs the worker hooks a
+    model runner runs, aggregates the workers' outputs with vLLM's own
+    ``KVOutputAggregator`` and feeds the result back to the scheduler. The
+    model itself is the one stand-in (see ``fake_model_output``).
     """
 
     def __init__(
-        self, ktc: Any, *, num_blocks: int = NUM_BLOCKS, write_kv: bool = True, **cfg: Any
+        self,
+        ktc: Any,
+        *,
+        num_blocks: int = NUM_BLOCKS,
+        write_kv: bool = True,
+        workers: int = 1,
+        **cfg: Any,
     ) -> None:
         self.write_kv = write_kv
         self.vllm_config = vllm_config(ktc, **cfg)
+        self.vllm_config.parallel_config.tensor_parallel_size = workers
         self.scheduler = make_scheduler(self.vllm_config, num_blocks)
         self.connector = self.scheduler.connector
-        self.worker = type(self.connector)(
-            self.vllm_config, KVConnectorRole.WORKER, kv_cache_config(num_blocks)
-        )
+        self.workers = [
+            type(self.connector)(
+                self.vllm_config, KVConnectorRole.WORKER, kv_cache_config(num_blocks)
+            )
+            for _ in range(workers)
+        ]
         # Real CPU tensors as the paged KV cache, in vLLM 0.33's standard
         # per-layer view (blocks, kv heads, block positions, K and V packed).
-        self.kv_caches = make_kv_caches(num_blocks)
-        self.worker.register_kv_caches(self.kv_caches)
+        self.worker_kv_caches = [make_kv_caches(num_blocks) for _ in range(workers)]
+        for w, kv in zip(self.workers, self.worker_kv_caches, strict=True):
+            w.register_kv_caches(kv)
+        self.worker, self.kv_caches = self.workers[0], self.worker_kv_caches[0]
+        self.aggregator = KVOutputAggregator(expected_finished_count=workers)
         self.finished: dict[str, Any] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished_sending: list[str] = []
@@ -230,21 +246,22 @@ class SchedulerSim:
         self.scheduler.add_request(req)
         return req
 
-    def step(self) -> Any:
-        so = self.scheduler.schedule()
-        meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))
-        w = self.worker
-        w.bind_connector_metadata(meta)
+    def _run_worker(
+        self,
+        w: Any,
+        kv_caches: dict[str, torch.Tensor],
+        so: Any,
+        writes: list[tuple[int, int, float]],
+    ) -> ModelRunnerOutput:
+        w.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
         w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
-        writes = self._kv_writes(so)
-        for layer, (name, kv) in enumerate(self.kv_caches.items()):
+        for layer, (name, kv) in enumerate(kv_caches.items()):
             w.wait_for_layer_load(name)
             for block, offset, value in writes:  # the "attention layer" writes its KV
                 kv[block, :, offset, :] = value + layer
             w.save_kv_layer(name, kv, None)
         w.wait_for_save()
         sending, recving = w.get_finished(set(so.finished_req_ids))
-        self.finished_sending.extend(sending or ())
         kv_out = KVConnectorOutput(
             finished_sending=sending,
             finished_recving=recving,
@@ -253,8 +270,22 @@ class SchedulerSim:
             kv_connector_stats=w.get_kv_connector_stats(),
         )
         w.clear_connector_metadata()
-        kv_out = pickle.loads(pickle.dumps(kv_out))
-        outs = self.scheduler.update_from_output(so, fake_model_output(so, kv_out=kv_out))
+        # Worker -> engine core crosses a process boundary in vLLM.
+        return pickle.loads(pickle.dumps(fake_model_output(so, kv_out=kv_out)))
+
+    def step(self) -> Any:
+        so = self.scheduler.schedule()
+        writes = self._kv_writes(so)
+        outputs = [
+            self._run_worker(w, kv, so, writes)
+            for w, kv in zip(self.workers, self.worker_kv_caches, strict=True)
+        ]
+        merged = self.aggregator.aggregate(outputs)
+        sending = (
+            merged.kv_connector_output.finished_sending if merged.kv_connector_output else None
+        )
+        self.finished_sending.extend(sending or ())
+        outs = self.scheduler.update_from_output(so, merged)
         for eco in outs.values():
             stats = eco.scheduler_stats
             if stats is not None and stats.kv_connector_stats:

@@ -1,20 +1,25 @@
-"""Connector stats through vLLM's ``get_kv_connector_stats`` path.
+"""kvmux's stats and Prometheus metrics, through vLLM's own paths.
 
-vLLM collects stats from every worker (and from the scheduler-side connector),
-aggregates them, serialises them with ``to_dict()`` and rebuilds them in the
-front end with the connector class's ``build_kv_connector_stats(data)``. The
-serialised form of :class:`KvmuxStats` is plain data::
+vLLM collects connector stats from every worker and from the scheduler-side
+connector (``get_kv_connector_stats``), aggregates them, serialises them with
+``to_dict()``, and in the front end rebuilds them with the connector class's
+``build_kv_connector_stats(data)`` for the periodic log line, and hands the
+dict to the ``build_prom_metrics`` object for Prometheus. The serialised form
+of :class:`KvmuxStats` is plain data::
 
-    {"kvmux": {counter: int, ...},
-     "children": {child_name: {"cls": "module:Class", "data": {...}}}}
+    {"kvmux": {"finished": 3, "clashes": {"first": 1}, ...,
+               "children": {"KvmuxHostCache": {"lookups": 9, ...}, ...}},
+     "children": {"KvmuxHostCache": {"cls": "module:Class", "data": {...}}}}
 
-so it survives the process boundary and each child's own stats are rebuilt by
-that child's class.
+``"kvmux"`` holds kvmux's own counters for the interval (nested dicts of
+ints, summed on aggregation); ``"children"`` each child's own stats, rebuilt
+by that child's stats class, so they survive the process boundary.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +29,53 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-__all__ = ["KvmuxPromMetrics", "KvmuxStats", "build_child_stats"]
+__all__ = [
+    "METRICS",
+    "KvmuxPromMetrics",
+    "KvmuxStats",
+    "build_child_stats",
+    "nested_add",
+    "nested_sub",
+]
+
+logger = logging.getLogger("kvmux")
+
+Nested = dict[str, Any]
+
+
+def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
+    """Add ``src``'s ints into ``dst`` (recursively, in place)."""
+    for k, v in src.items():
+        if isinstance(v, Mapping):
+            nested_add(dst.setdefault(k, {}), v)
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            dst[k] = dst.get(k, 0) + v
+    return dst
+
+
+def nested_sub(now: Mapping[str, Any], before: Mapping[str, Any]) -> Nested:
+    """``now - before`` for nested counters, dropping zeros."""
+    out: Nested = {}
+    for k, v in now.items():
+        if isinstance(v, Mapping):
+            d = nested_sub(v, before.get(k) or {})
+            if d:
+                out[k] = d
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            diff = v - (before.get(k) or 0)
+            if diff:
+                out[k] = diff
+    return out
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, int | float]:
+    out: dict[str, int | float] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif v:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _cls_path(obj: Any) -> str:
@@ -43,6 +94,7 @@ def _rebuild_child(entry: Any) -> KVConnectorStats | None:
         for part in qual.split("."):
             stats_cls = getattr(stats_cls, part)
     except (ImportError, AttributeError):
+        logger.warning("kvmux: cannot rebuild child stats of class %s", entry["cls"])
         return None
     return stats_cls(data=dict(entry.get("data") or {}))
 
@@ -52,7 +104,7 @@ class KvmuxStats(KVConnectorStats):
     """kvmux's own counters plus each child's stats, kept per child name."""
 
     @property
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> Nested:
         return self.data.setdefault("kvmux", {})
 
     @property
@@ -61,10 +113,11 @@ class KvmuxStats(KVConnectorStats):
 
     @classmethod
     def rebuild(cls, data: Mapping[str, Any] | None) -> KvmuxStats:
+        """From the serialised dict (or a same-process mix of objects)."""
         out = cls()
         if not data:
             return out
-        out.data["kvmux"] = dict(data.get("kvmux") or {})
+        nested_add(out.counters, data.get("kvmux") or {})
         for name, entry in (data.get("children") or {}).items():
             child = _rebuild_child(entry)
             if child is not None:
@@ -73,7 +126,7 @@ class KvmuxStats(KVConnectorStats):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kvmux": dict(self.counters),
+            "kvmux": nested_add({}, self.counters),
             "children": {
                 name: {"cls": _cls_path(s), "data": s.to_dict()}
                 for name, s in self.children.items()
@@ -83,9 +136,7 @@ class KvmuxStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KvmuxStats:
         if not isinstance(other, KvmuxStats):
             other = KvmuxStats.rebuild(other.data)
-        mine = self.counters
-        for k, v in other.counters.items():
-            mine[k] = mine.get(k, 0) + v
+        nested_add(self.counters, other.counters)
         for name, s in other.children.items():
             have = self.children.get(name)
             self.children[name] = s if have is None else have.aggregate(s)
@@ -97,7 +148,9 @@ class KvmuxStats(KVConnectorStats):
             s.reset()
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {f"kvmux.{k}": v for k, v in self.counters.items() if v}
+        """For vLLM's periodic log line: ``kvmux.<counter>`` and
+        ``<child>.<stat>`` entries, zeros left out."""
+        out: dict[str, int | float] = _flatten(self.counters, "kvmux.")
         for name, s in self.children.items():
             if not s.is_empty():
                 for k, v in s.reduce().items():
@@ -105,31 +158,129 @@ class KvmuxStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.counters.values()) and all(s.is_empty() for s in self.children.values())
+        return not _flatten(self.counters) and all(s.is_empty() for s in self.children.values())
 
 
 def build_child_stats(
     names: Sequence[str],
     child_stats: Sequence[KVConnectorStats | None],
-    counters: Mapping[str, int] | None = None,
+    counters: Mapping[str, Any] | None = None,
 ) -> KvmuxStats | None:
-    """One :class:`KvmuxStats` from kvmux's counter deltas and the children's
-    stats of the last interval; None when there is nothing to report."""
+    """One :class:`KvmuxStats` from kvmux's counters of the interval and the
+    children's stats; None when there is nothing to report."""
     out = KvmuxStats()
     if counters:
-        out.data["kvmux"] = {k: v for k, v in counters.items() if v}
+        nested_add(out.counters, counters)
     for name, s in zip(names, child_stats, strict=True):
         if s is not None:
             out.children[name] = s
     return None if out.is_empty() else out
 
 
-class KvmuxPromMetrics(KVConnectorPromMetrics):
-    """Forwards each child's stats to that child's own Prometheus metrics."""
+# (name of a Prometheus counter, exposed with _total; help; key in the
+# "kvmux" counters; extra label). label "connector": counters["children"][child][key];
+# "policy": counters[key][policy]; None: counters[key].
+METRICS: tuple[tuple[str, str, str, str | None], ...] = (
+    ("kvmux_lookups", "Lookups a child answered with a token count.", "lookups", "connector"),
+    ("kvmux_lookup_hits", "Lookups in which a child reported matched tokens.", "hits", "connector"),
+    (
+        "kvmux_lookup_hit_tokens",
+        "Matched tokens children reported on lookups.",
+        "hit_tokens",
+        "connector",
+    ),
+    ("kvmux_loads", "Requests a child was chosen to load.", "loads", "connector"),
+    (
+        "kvmux_loaded_tokens",
+        "External tokens allocated for the chosen child to load.",
+        "load_tokens",
+        "connector",
+    ),
+    (
+        "kvmux_async_saves",
+        "Finished requests a child saved asynchronously.",
+        "async_saves",
+        "connector",
+    ),
+    (
+        "kvmux_contained_errors",
+        "Failures of a child on requests it never took part in, contained by kvmux.",
+        "contained_errors",
+        "connector",
+    ),
+    ("kvmux_finished_requests", "Requests finished through kvmux.", "finished", None),
+    (
+        "kvmux_extra_cached_tokens",
+        "num_extra_cached_tokens reported: tokens loaded beyond vLLM's local prefix cache.",
+        "extra_cached_tokens",
+        None,
+    ),
+    (
+        "kvmux_param_clashes",
+        "kv_transfer_params keys returned by two children, by clash_policy.",
+        "clashes",
+        "policy",
+    ),
+    (
+        "kvmux_extra_async_saves",
+        "Extra async-save completions workers waited for (k - 1 for k saving children).",
+        "extra_async_saves",
+        None,
+    ),
+    (
+        "kvmux_finished_sending",
+        "Requests reported finished sending after all their async saves, summed over workers.",
+        "finished_sending",
+        None,
+    ),
+    (
+        "kvmux_load_failed_blocks",
+        "KV blocks children failed to load (vLLM recomputes them), summed over workers.",
+        "load_failed_blocks",
+        None,
+    ),
+)
 
-    def __init__(self, *args: Any, children: dict[str, KVConnectorPromMetrics]) -> None:
-        super().__init__(*args)
+
+def _values(counters: Mapping[str, Any], key: str, label: str | None) -> list[tuple[Any, Any]]:
+    if label == "connector":
+        return [(child, c.get(key)) for child, c in (counters.get("children") or {}).items()]
+    if label == "policy":
+        return list((counters.get(key) or {}).items())
+    return [(None, counters.get(key))]
+
+
+class KvmuxPromMetrics(KVConnectorPromMetrics):
+    """``kvmux_*`` counters (a ``connector`` label per child, or a ``policy``
+    label), plus each child's own metrics, forwarded."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        *,
+        children: dict[str, KVConnectorPromMetrics],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children = children
+        self._metrics = {
+            name: (self._counter(name, doc, labelnames + ([label] if label else [])), key, label)
+            for name, doc, key, label in METRICS
+        }
+
+    def _counter(self, name: str, doc: str, labelnames: list[str]) -> Any:
+        try:
+            return self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+        except ValueError:
+            # Registered already by an earlier engine in this process: reuse it.
+            from prometheus_client import REGISTRY
+
+            existing = REGISTRY._names_to_collectors.get(f"{name}_total")
+            if existing is None:
+                raise
+            return existing
 
     @classmethod
     def build(
@@ -157,6 +308,13 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         return cls(vllm_config, metric_types, labelnames, per_engine_labelvalues, children=children)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        counters = transfer_stats_data.get("kvmux") or {}
+        for metric, key, label in self._metrics.values():
+            for label_value, value in _values(counters, key, label):
+                if isinstance(value, int | float) and value > 0:
+                    extra = [str(label_value)] if label else []
+                    metric.labels(*engine_labels, *extra).inc(value)
         for name, entry in (transfer_stats_data.get("children") or {}).items():
             prom = self._children.get(name)
             if prom is not None and isinstance(entry, Mapping):
