@@ -6,16 +6,15 @@ for the log line and ``KVConnectorProm`` for Prometheus (a real registry)."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
-from harness import mux_config, scripted
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
     KVConnectorProm,
 )
 
+from harness import mux_config, scripted
 from kvmux import KvmuxConnector
 from kvmux.stats import METRICS, KvmuxStats
 
