@@ -185,6 +185,12 @@ impl MuxCore {
         chosen
     }
 
+    /// Drop a request's state without counting it as finished (a child
+    /// failed on it). True if there was state.
+    fn forget(&self, req_id: &str) -> bool {
+        self.table.finish(req_id).is_some()
+    }
+
     /// The child chosen to load a request, if any.
     fn chosen(&self, req_id: &str) -> Option<usize> {
         self.table.chosen(req_id)

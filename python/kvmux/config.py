@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["ChildSpec", "MuxConfig", "parse_mux_config"]
 
 ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy")
+#: Optional per-child display name (stats, metrics, errors); kvmux removes it
+#: before vLLM parses the child's kv_transfer_config.
+NAME_KEY = "name"
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
@@ -88,9 +91,18 @@ def _policy(
     return value
 
 
+@dataclass(frozen=True)
+class _RawChild:
+    index: int
+    cls_name: str
+    name: str | None
+    transfer_config: KVTransferConfig
+    cls: type
+
+
 def _child(
     index: int, raw: Any, parent: KVTransferConfig, problems: list[str]
-) -> tuple[str, KVTransferConfig, type] | None:
+) -> _RawChild | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -103,18 +115,22 @@ def _child(
             '"kv_role": "kv_both"}'
         )
         return None
-    name = raw.get("kv_connector")
-    if not isinstance(name, str) or not name:
+    cls_name = raw.get("kv_connector")
+    if not isinstance(cls_name, str) or not cls_name:
         problems.append(
             f"{where} has no 'kv_connector' class name; add e.g. "
             '"kv_connector": "LMCacheMPConnector"'
         )
         return None
-    where = f"{where} ({name})"
+    where = f"{where} ({cls_name})"
+    name = raw.get(NAME_KEY)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        problems.append(f"{where}: {NAME_KEY!r} must be a non-empty string, got {name!r}")
+        return None
     fields = {
         "kv_role": parent.kv_role,
         "kv_buffer_device": parent.kv_buffer_device,
-        **raw,
+        **{k: v for k, v in raw.items() if k != NAME_KEY},
         "engine_id": raw.get("engine_id", parent.engine_id),
     }
     try:
@@ -127,7 +143,7 @@ def _child(
     except Exception as e:
         path = raw.get("kv_connector_module_path")
         fix = (
-            f"check that module {path!r} is installed and defines {name}"
+            f"check that module {path!r} is installed and defines {cls_name}"
             if path
             else "use a connector name vLLM registers (e.g. ExampleConnector, "
             "LMCacheMPConnector, NixlConnector) or set kv_connector_module_path"
@@ -137,7 +153,16 @@ def _child(
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
         problems.append(f"{where} resolves to {cls!r}, which is not a KVConnectorBase_V1 subclass")
         return None
-    return name, ktc, cls
+    # kvmux's own connectors check their settings here, so every problem is
+    # found before anything is built (and by `python -m kvmux doctor`).
+    validate = getattr(cls, "validate_transfer_config", None)
+    if callable(validate):
+        try:
+            validate(ktc)
+        except KvmuxConfigError as e:
+            problems.extend(f"{where}: {p}" for p in e.problems)
+            return None
+    return _RawChild(index, cls_name, name, ktc, cls)
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -162,7 +187,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
     load = _policy(extra, "load_policy", tuple(LOAD_POLICIES), DEFAULT_LOAD_POLICY, problems)
 
     raw_children = extra.get("connectors")
-    children: list[tuple[str, KVTransferConfig, type]] = []
+    children: list[_RawChild] = []
     if raw_children is None:
         problems.append(
             'kv_connector_extra_config has no "connectors" list; add one child '
@@ -184,24 +209,46 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         for i, raw in enumerate(raw_children):
             got = _child(i, raw, kv_transfer_config, problems)
             if got is not None:
-                children.append((i, *got))  # type: ignore[arg-type]
+                children.append(got)
+    names = _names(children, problems)
     if problems:
         raise KvmuxConfigError(problems)
-
-    counts: dict[str, int] = {}
-    for _, name, _, _ in children:  # type: ignore[misc]
-        counts[name] = counts.get(name, 0) + 1
     specs = tuple(
         ChildSpec(
-            index=i,
-            name=name if counts[name] == 1 else f"{name}#{i}",
-            transfer_config=ktc,
-            cls=cls,
-            supports_hma=KVConnectorFactory.supports_hma_config(ktc),
+            index=c.index,
+            name=name,
+            transfer_config=c.transfer_config,
+            cls=c.cls,
+            supports_hma=KVConnectorFactory.supports_hma_config(c.transfer_config),
         )
-        for i, name, ktc, cls in children  # type: ignore[misc]
+        for c, name in zip(children, names, strict=True)
     )
     return MuxConfig(children=specs, clash_policy=clash, load_policy=load)
+
+
+def _names(children: list[_RawChild], problems: list[str]) -> list[str]:
+    """Display names: the given ``name``, else the class name (with ``#index``
+    when several children share it). Given names must be unique."""
+    given: dict[str, int] = {}
+    for c in children:
+        if c.name is not None:
+            if c.name in given:
+                problems.append(
+                    f"connectors[{given[c.name]}] and connectors[{c.index}] share the "
+                    f"{NAME_KEY} {c.name!r}; give each child a distinct {NAME_KEY}"
+                )
+            given[c.name] = c.index
+    counts: dict[str, int] = {}
+    for c in children:
+        counts[c.cls_name] = counts.get(c.cls_name, 0) + 1
+    return [
+        c.name
+        if c.name is not None
+        else c.cls_name
+        if counts[c.cls_name] == 1 and c.cls_name not in given
+        else f"{c.cls_name}#{c.index}"
+        for c in children
+    ]
 
 
 def check_hma(cfg: MuxConfig, hma_enabled: bool) -> None:

@@ -25,7 +25,8 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -170,6 +171,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------- class methods
 
     @classmethod
+    def validate_transfer_config(cls, kv_transfer_config: KVTransferConfig) -> None:
+        """Raise :class:`KvmuxConfigError` if kvmux cannot run this config
+        (used for nested kvmux children and by ``python -m kvmux doctor``)."""
+        parse_mux_config(kv_transfer_config)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         cfg = _parse_from_vllm_config(vllm_config)
         layouts = {
@@ -234,24 +241,32 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         """Ask every child; ``None`` while any child is not ready. The loading
         child is chosen by ``load_policy`` and remembered for the request."""
-        answers = call_children(self, "get_num_new_matched_tokens", request, num_computed_tokens)
-        return self._core.lookup(request.request_id, num_computed_tokens, answers)
+        with self._forget_on_error(request):
+            answers = call_children(
+                self, "get_num_new_matched_tokens", request, num_computed_tokens
+            )
+            return self._core.lookup(request.request_id, num_computed_tokens, answers)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """The chosen child gets ``num_external_tokens``, the others 0; all
         get the request's real blocks (as vLLM's MultiConnector does)."""
-        chosen = self._core.allocated(request.request_id, num_external_tokens)
-        for i in range(len(self._children)):
-            call_child(
-                self,
-                i,
-                "update_state_after_alloc",
-                request,
-                blocks,
-                num_external_tokens if i == chosen else 0,
-            )
+        with self._forget_on_error(request):
+            chosen = self._core.allocated(request.request_id, num_external_tokens)
+            for i in range(len(self._children)):
+                n = num_external_tokens if i == chosen else 0
+                call_child(self, i, "update_state_after_alloc", request, blocks, n)
+
+    @contextmanager
+    def _forget_on_error(self, request: Request) -> Iterator[None]:
+        """A child failed on a request: kvmux drops its own state for it (a
+        later lookup starts afresh) and the error goes on to vLLM."""
+        try:
+            yield
+        except BaseException:
+            self._core.forget(request.request_id)
+            raise
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -311,7 +326,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         if self._cfg.all_support_hma:
             return self._finish(request, "request_finished_all_groups", block_ids)
         if len(block_ids) != 1:
-            self._core.finish(request.request_id, [], False)  # drop its state first
+            self._core.forget(request.request_id)
             raise KvmuxConfigError(
                 f"request {request.request_id!r} holds KV in {len(block_ids)} cache "
                 f"groups but children {self._cfg.non_hma_children()} do not support "
@@ -325,11 +340,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, hook: str, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        try:
+        with self._forget_on_error(request):
             results = call_children(self, hook, request, block_ids)
-        except BaseException:
-            self._core.finish(req_id, [], False)
-            raise
         asked = getattr(request, "kv_transfer_params", None)
         want_extra = isinstance(asked, dict) and EXTRA_KEY in asked
         is_async, params, extra_saves, warn = self._core.finish(req_id, results, want_extra)

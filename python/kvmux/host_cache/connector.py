@@ -76,6 +76,12 @@ class KvmuxHostCache(KVConnectorBase_V1):
         else:
             self._worker = HostCacheWorker(kv_cache_config.num_blocks, num_slots, block_bytes)
 
+    @classmethod
+    def validate_transfer_config(cls, kv_transfer_config: Any) -> None:
+        """Raise :class:`KvmuxConfigError` for bad settings (before anything
+        is built; used by KvmuxConnector and ``python -m kvmux doctor``)."""
+        parse_host_cache_config(kv_transfer_config.kv_connector_extra_config)
+
     # Each side's state exists only in its role; a call from the wrong side
     # is a programming error in the host, reported plainly.
     @property
