@@ -100,9 +100,7 @@ class _RawChild:
     cls: type
 
 
-def _child(
-    index: int, raw: Any, parent: KVTransferConfig, problems: list[str]
-) -> _RawChild | None:
+def _child(index: int, raw: Any, parent: KVTransferConfig, problems: list[str]) -> _RawChild | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1

@@ -11,6 +11,7 @@ __all__ = ["main"]
 # subcommand -> (module, help); each module has add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": ("kvmux.cli.demo_scheduler", "run vLLM's scheduler with kvmux over its children"),
+    "doctor": ("kvmux.cli.doctor", "check a --kv-transfer-config before starting vLLM"),
 }
 
 
