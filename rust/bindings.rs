@@ -230,7 +230,8 @@ impl MuxCore {
         u32,
         Option<Vec<(String, String, String)>>,
     )> {
-        let state = self.table.finish(req_id).unwrap_or_default();
+        let seen = self.table.finish(req_id);
+        let state = seen.unwrap_or_default();
         Counters::add(&self.counters.finished, 1);
         let mut n_async = 0u32;
         let mut sources: Vec<(usize, Bound<'py, PyDict>)> = Vec::with_capacity(results.len() + 1);
@@ -275,7 +276,15 @@ impl MuxCore {
             own.set_item(EXTRA_KEY, state.loaded_tokens)?;
             sources.push((self.names.len(), own));
         }
-        let extra_saves = n_async.saturating_sub(1);
+        // Extra completions are awaited only for a request kvmux tracked: a
+        // request it never saw (aborted before any lookup) or finishes a
+        // second time has no blocks anyone is saving, and an expectation the
+        // workers can never meet would leak.
+        let extra_saves = if seen.is_some() {
+            n_async.saturating_sub(1)
+        } else {
+            0
+        };
         Counters::add(&self.counters.extra_async_saves, u64::from(extra_saves));
         let (params, warn) = match sources.len() {
             0 => (None, None),

@@ -15,6 +15,8 @@ sets. It records every call so tests can check what kvmux routed to it.
 - ``layer_work``: its per-layer hooks do something (record the layer)
 - ``fail``: name of a hook that raises ``RuntimeError``
 - ``hold``: request ids whose async save does not complete until removed
+- ``fail_loads``: every load it is chosen for fails (blocks reported as
+  load errors, so vLLM recomputes or fails the request)
 
 Tests may change ``self.script`` (the same dict) at any time.
 """
@@ -33,8 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 class ScriptedMetadata(KVConnectorMetadata):
-    def __init__(self, finished: list[str]) -> None:
+    def __init__(self, finished: list[str], loads: list[int] | None = None) -> None:
         self.finished = finished
+        self.loads = loads or []
 
 
 class ScriptedConnector(KVConnectorBase_V1):
@@ -44,6 +47,12 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.calls: list[tuple[str, Any]] = []
         self._lookups: defaultdict[str, int] = defaultdict(int)
         self.layers_seen: list[str] = []
+        self.completed: list[str] = []  # async saves reported done, in order
+        self._async_finished: list[str] = []  # scheduler: saves to announce
+        self._saving: set[str] = set()  # worker: saves announced, not yet done
+        self._loads: list[int] = []  # scheduler: blocks to load this step
+        self._failed_loads: set[int] = set()  # worker
+        self._block_size = vllm_config.cache_config.block_size
         self._maybe_fail("__init__")
 
     def _maybe_fail(self, hook: str) -> None:
@@ -68,17 +77,27 @@ class ScriptedConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         self._maybe_fail("update_state_after_alloc")
         self.calls.append(("alloc", (request.request_id, num_external_tokens)))
+        if num_external_tokens > 0 and blocks is not None:
+            first = request.num_computed_tokens // self._block_size
+            n = num_external_tokens // self._block_size
+            self._loads.extend(blocks.get_block_ids()[0][first : first + n])
 
     def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
-        return ScriptedMetadata(sorted(scheduler_output.finished_req_ids))
+        # Tell the workers which finished requests this child saves async.
+        saving, self._async_finished = self._async_finished, []
+        loads, self._loads = self._loads, []
+        return ScriptedMetadata(saving, loads)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
         self._maybe_fail("request_finished")
         self.calls.append(("finished", request.request_id))
-        self._lookups.pop(request.request_id, None)
+        seen = self._lookups.pop(request.request_id, None) is not None
         if "raw_finish" in self.script:
             return self.script["raw_finish"]
-        is_async = bool(self.script.get("async_save"))
+        # Like a real connector, it saves only requests it took part in.
+        is_async = bool(self.script.get("async_save")) and seen
+        if is_async:
+            self._async_finished.append(request.request_id)
         params = self.script.get("params")
         return is_async, (dict(params) if params is not None else None)
 
@@ -87,6 +106,9 @@ class ScriptedConnector(KVConnectorBase_V1):
         if not isinstance(connector_metadata, ScriptedMetadata):
             raise TypeError(f"got {type(connector_metadata).__name__}, not my metadata")
         super().bind_connector_metadata(connector_metadata)
+        self._saving.update(connector_metadata.finished)
+        if self.script.get("fail_loads"):
+            self._failed_loads.update(connector_metadata.loads)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._maybe_fail("start_load_kv")
@@ -107,14 +129,17 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.calls.append(("get_finished", sorted(finished_req_ids)))
         if not self.script.get("async_save"):
             return None, None
-        # The async save of a finished request completes in the step that
-        # announces it (or later, when a test holds it back with "hold").
+        # An async save completes in the step that announces it, unless a
+        # test holds it back with "hold".
         held = set(self.script.get("hold", ()))
-        done = set(finished_req_ids) - held
-        self._held = getattr(self, "_held", set()) | (set(finished_req_ids) & held)
-        released = {r for r in self._held if r not in held}
-        self._held -= released
-        return (done | released) or None, None
+        done = self._saving - held
+        self._saving -= done
+        self.completed.extend(sorted(done))
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
 
 class NoopConnector(KVConnectorBase_V1):

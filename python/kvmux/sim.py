@@ -235,6 +235,7 @@ class SchedulerSim:
             w.register_kv_caches(kv)
         self.worker, self.kv_caches = self.workers[0], self.worker_kv_caches[0]
         self.aggregator = KVOutputAggregator(expected_finished_count=workers)
+        self.requests: dict[str, Any] = {}  # every request added, by id
         self.finished: dict[str, Any] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished_sending: list[str] = []
@@ -244,6 +245,7 @@ class SchedulerSim:
     def add(self, req_id: str, tokens: Any, **kw: Any) -> Any:
         req = make_request(req_id, tokens, **kw)
         self.scheduler.add_request(req)
+        self.requests[req_id] = req
         return req
 
     def _run_worker(

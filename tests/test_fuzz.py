@@ -1,0 +1,241 @@
+"""Property-based lifecycle fuzzing (hypothesis) and the core under threads.
+
+Random interleavings of arrivals, "not ready" lookups, scheduling steps with
+pickled metadata, preemptions (a small device cache forces them), aborts
+before and after scheduling, finishing twice, async-save completions held
+back and released out of order, prefix-cache resets, through
+``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children, driven
+by vLLM's real scheduler (``kvmux.sim``). Invariants are checked after every
+step and at the end through public introspection calls only.
+
+CI runs ``KVMUX_FUZZ_EXAMPLES`` (default 200) examples of 50 requests each:
+10,000 lifecycles. ``KVMUX_LONG=1`` runs the marked long version (2,000).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.v1.request import RequestStatus
+
+from harness import mux_config, scripted
+from kvmux._core import HostIndex, MuxCore, SaveCountdown
+
+REQUESTS_PER_EXAMPLE = 50
+EXAMPLES = int(os.environ.get("KVMUX_FUZZ_EXAMPLES", "200"))
+LIFECYCLES = {"count": 0}
+SEEN = {"preemptions": 0, "load_errors": 0}
+PREFIXES = [[1000 * p + t for t in range(48)] for p in range(3)]
+
+add_op = st.fixed_dictionaries(
+    {
+        "prefix": st.integers(0, 2),
+        "shared": st.sampled_from([0, 16, 40, 48]),
+        "suffix": st.integers(1, 24),
+        "max_tokens": st.integers(1, 6),
+        "ask": st.booleans(),
+    }
+)
+other_op = st.one_of(
+    st.just(("step",)),
+    st.tuples(st.just("abort"), st.integers(0, 1_000)),
+    st.tuples(st.just("hold"), st.integers(0, 1_000)),
+    st.just(("release",)),
+    st.tuples(st.just("finish_twice"), st.integers(0, 1_000)),
+    st.just(("reset_prefix",)),
+)
+plan = st.fixed_dictionaries(
+    {
+        "a": st.fixed_dictionaries(
+            {
+                "matched": st.sampled_from([0, 16, 32]),
+                "async_save": st.booleans(),
+                "not_ready": st.integers(0, 2),
+                "fail_loads": st.booleans(),
+            }
+        ),
+        "b": st.fixed_dictionaries({"async_save": st.booleans(), "params": st.just({"b": 1})}),
+        "load_policy": st.sampled_from(["first", "longest"]),
+        "host_blocks": st.integers(4, 24),
+        "events": st.lists(
+            st.tuples(add_op, st.lists(other_op, max_size=3)),
+            min_size=REQUESTS_PER_EXAMPLE,
+            max_size=REQUESTS_PER_EXAMPLE,
+        ),
+    }
+)
+
+
+def check_step(d, host, scripted_workers):
+    sent = d.finished_sending
+    assert len(sent) == len(set(sent)), "a request was reported finished sending twice"
+    for rid in sent:  # only after every async save of every child completed
+        for w in scripted_workers:
+            if w.script.get("async_save"):
+                assert rid in w.completed, (rid, "reported before a child's save completed")
+    st_ = host.index_stats()
+    assert st_["ready"] + st_["writing"] <= st_["capacity"]
+    assert all(v >= 0 for v in st_.values())
+    host.scheduler.index.check()  # structure, pins outside LRU, nothing pinned freed
+    stats = d.connector.mux_stats()
+    assert all(v >= 0 for v in stats.values() if isinstance(v, int))
+
+
+def run_plan(driver_factory, p):
+    d = driver_factory(
+        mux_config(
+            [
+                {
+                    "kv_connector": "KvmuxHostCache",
+                    "kv_connector_module_path": "kvmux",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"num_blocks": p["host_blocks"]},
+                },
+                scripted(**p["a"]),
+                scripted(**p["b"]),
+            ],
+            load_policy=p["load_policy"],
+        ),
+        num_blocks=20,
+        max_num_seqs=6,
+        write_kv=False,
+    )
+    host = d.connector.children[0]
+    workers = d.worker.children[1:]
+    asynced: set[str] = set()
+    real_finish = d.connector.request_finished_all_groups
+
+    def recording_finish(request, block_ids):
+        is_async, params = real_finish(request, block_ids)
+        if is_async:
+            asynced.add(request.request_id)
+        return is_async, params
+
+    d.connector.request_finished_all_groups = recording_finish
+    added = []
+    for i, (add, others) in enumerate(p["events"]):
+        prompt = PREFIXES[add["prefix"]][: add["shared"]] + [7 + i] * add["suffix"]
+        rid = f"r{i}"
+        d.add(
+            rid,
+            prompt,
+            max_tokens=add["max_tokens"],
+            kv_transfer_params={"num_extra_cached_tokens": 1} if add["ask"] else None,
+        )
+        added.append(rid)
+        for op in others:
+            if op[0] == "step":
+                so = d.step()
+                SEEN["preemptions"] += len(so.preempted_req_ids or ())
+                check_step(d, host, workers)
+            elif op[0] == "abort":
+                rid_k = added[op[1] % len(added)]
+                if rid_k in d.scheduler.requests:
+                    d.scheduler.finish_requests([rid_k], RequestStatus.FINISHED_ABORTED)
+            elif op[0] == "hold":
+                workers[0].script["hold"] = [added[op[1] % len(added)]]
+            elif op[0] == "release":
+                workers[0].script["hold"] = []
+            elif op[0] == "finish_twice":
+                rid_k = added[op[1] % len(added)]
+                if rid_k in d.finished:
+                    again = d.connector.request_finished(d.requests[rid_k], [])
+                    assert again[0] in (True, False)
+            elif op[0] == "reset_prefix":
+                d.scheduler.reset_prefix_cache()
+    workers[0].script["hold"] = []
+    for _ in range(3000):
+        if not d.scheduler.requests:
+            break
+        so = d.step()
+        SEEN["preemptions"] += len(so.preempted_req_ids or ())
+        check_step(d, host, workers)
+    assert not d.scheduler.requests, "the scheduler did not drain"
+    assert set(d.finished_sending) == asynced, "an async request was never reported"
+    assert d.connector.num_live_requests() == 0
+    assert d.worker.num_pending_async_saves() == 0
+    assert host.num_live_requests() == 0
+    st_ = host.index_stats()
+    assert st_["pinned"] == 0 and st_["writing"] == 0
+    LIFECYCLES["count"] += len(added)
+    SEEN["load_errors"] += sum(s.get("kvmux", {}).get("load_failed_blocks", 0) for s in d.kv_stats)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+@given(p=plan)
+def test_random_lifecycles_keep_every_invariant(driver_factory, p):
+    run_plan(driver_factory, p)
+
+
+def test_ci_fuzzed_at_least_ten_thousand_lifecycles():
+    if EXAMPLES < 200:
+        pytest.skip("KVMUX_FUZZ_EXAMPLES lowered for a quick local run")
+    assert LIFECYCLES["count"] >= 10_000
+    assert SEEN["preemptions"] > 0, "the workload never preempted"
+    assert SEEN["load_errors"] > 0, "no load ever failed"
+
+
+@pytest.mark.long
+@pytest.mark.skipif(os.environ.get("KVMUX_LONG") != "1", reason="long run: KVMUX_LONG=1")
+@settings(max_examples=2_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(p=plan)
+def test_long_random_lifecycles(driver_factory, p):
+    run_plan(driver_factory, p)
+
+
+# ------------------------------------------------- the core under threads
+
+
+def test_python_threads_share_the_core_without_losing_a_count():
+    core = MuxCore(["a", "b"], "error", "longest")
+    countdown = SaveCountdown()
+    index = HostIndex(64)
+    ids = [f"q{i}" for i in range(32)]
+    for rid in ids:
+        countdown.expect({rid: 4 * 50 - 1})  # 4 threads x 50 completions each
+    errors: list[BaseException] = []
+    finished: list[set[str]] = []
+
+    def work(t: int) -> None:
+        try:
+            done: set[str] = set()
+            for n in range(50):
+                for rid in ids:
+                    core.lookup(rid, 0, [(16 * (t % 2), False), (16, False)])
+                    core.allocated(rid, 16)
+                    core.finish(rid, [(False, {"t": 1}), (False, None)], True)
+                done |= countdown.complete(ids)
+                key = [bytes([t, n % 8]) * 8]
+                _, slots = index.reserve(key)
+                index.commit(slots)
+            finished.append(done)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert len(core) == 0
+    assert core.stats()["finished"] == 4 * 50 * len(ids)
+    all_done = [rid for d in finished for rid in d]
+    assert sorted(all_done) == sorted(ids)  # each reported once, after all 200
+    assert len(countdown) == 0
+    index.check()
+    assert index.stats()["ready"] == 32
