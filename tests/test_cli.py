@@ -15,8 +15,8 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_shows_host_tier_hits_merged_params_and_async_saves():
-    proc = run("-m", "kvmux", "demo", "--requests", "6")
+def test_scheduler_demo_shows_host_tier_hits_merged_params_and_async_saves():
+    proc = run("-m", "kvmux", "demo-scheduler", "--requests", "6")
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "KvmuxHostCache" in out and "ExampleConnector" in out
@@ -39,3 +39,9 @@ def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path):
     res = json.loads(out_json.read_text())
     assert res["round_trip_blocks_first"] and res["round_trip_kv_first"]
     assert res["d2h_ratio"] > 0 and res["h2d_ratio"] > 0
+
+
+def test_help_lists_the_engine_demo_and_the_scheduler_demo():
+    proc = run("-m", "kvmux", "--help")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "demo-scheduler" in proc.stdout and "real vLLM engine" in proc.stdout

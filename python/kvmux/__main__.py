@@ -2,4 +2,7 @@
 
 from kvmux.cli import main
 
-raise SystemExit(main())
+# The guard matters: vLLM starts its engine and workers with spawn, which
+# imports this module again in each child process.
+if __name__ == "__main__":
+    raise SystemExit(main())

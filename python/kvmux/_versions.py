@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 
-__all__ = ["HAS_TRANSFER_RESULTS", "TransferResults"]
+__all__ = ["HAS_SLEEP_MODE", "HAS_TRANSFER_RESULTS", "TransferResults"]
 
 #: vLLM 0.33 reports completions through ``get_transfer_results`` (with failed
 #: receives); older versions only through ``get_finished``.
 HAS_TRANSFER_RESULTS: bool = hasattr(_base, "KVConnectorTransferResults")
 
 TransferResults = getattr(_base, "KVConnectorTransferResults", None)
+
+#: vLLM 0.33 asks connectors ``supports_sleep_mode`` (a classmethod) and calls
+#: ``unregister_kv_caches`` / ``restore_kv_caches`` around sleep; vLLM 0.32
+#: has none of them. (The two worker hooks are fanned out only where the base
+#: class defines them, see kvmux._fanout; everything else kvmux uses is the
+#: same in 0.32 and 0.33.)
+HAS_SLEEP_MODE: bool = hasattr(_base.KVConnectorBase_V1, "supports_sleep_mode")

@@ -208,10 +208,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             for spec in cfg.children
         )
 
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
-        cfg = parse_mux_config(kv_transfer_config)
-        return all(spec.cls.supports_sleep_mode(spec.transfer_config) for spec in cfg.children)
+    if _versions.HAS_SLEEP_MODE:
+
+        @classmethod
+        def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+            cfg = parse_mux_config(kv_transfer_config)
+            return all(spec.cls.supports_sleep_mode(spec.transfer_config) for spec in cfg.children)
 
     @classmethod
     def build_kv_connector_stats(

@@ -1,0 +1,31 @@
+"""Fixtures of the end-to-end suite (see engine_runs.py): the runs are made
+once per session and shared by the tests, which assert on what a user sees
+in ``RequestOutput``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # engine_runs, the TaggingConnector module
+
+from engine_runs import ASK, TAGGER, WORKLOAD, Runs, two_passes  # noqa: E402
+
+from kvmux import engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from kvmux.tiny_model import tiny_llama
+
+    return str(tiny_llama())
+
+
+@pytest.fixture(scope="session")
+def runs(model_dir: str) -> Runs:
+    engine.prepare_env(multiprocess=False)
+    base1, base2, _ = two_passes(model_dir, None, None)
+    mux1, mux2, mux3 = two_passes(model_dir, engine.host_tier_config(TAGGER), ASK)
+    return Runs(WORKLOAD.prompts(), base1, base2, mux1, mux2, mux3)
