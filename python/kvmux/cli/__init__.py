@@ -11,6 +11,7 @@ __all__ = ["main"]
 # subcommand -> (module, help); each module has add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": ("kvmux.cli.demo_scheduler", "run vLLM's scheduler with kvmux over its children"),
+    "bench": ("kvmux.cli.bench", "benchmark kvmux against vLLM's MultiConnector and others"),
 }
 
 
