@@ -133,7 +133,10 @@ def format_table(results: Sequence[Result]) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     for r in results:
