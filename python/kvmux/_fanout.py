@@ -8,12 +8,18 @@ runs on every tested vLLM version. Hooks with real multiplexing logic (lookup,
 allocation, finish, metadata, completions) are written out in
 ``connector.py`` but call children through :func:`call_children` too, so a
 failing child is always named.
+
+Children whose hook only returns a constant (vLLM's base-class defaults,
+``pass``) are not called at all: their answer is known (see
+:func:`constant_answer`). That is most hooks of most children, and the
+multiplexer runs in every scheduler step.
 """
 
 from __future__ import annotations
 
 import abc
 import dis
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,8 +30,10 @@ from kvmux.errors import KvmuxChildError
 __all__ = [
     "FANOUT_HOOKS",
     "Hook",
+    "active_children",
     "call_child",
     "call_children",
+    "constant_answer",
     "install_fanout",
     "is_noop",
     "layer_hook",
@@ -40,10 +48,26 @@ class _Mux(Protocol):
 def call_children(mux: _Mux, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
     """Call ``hook`` on every child in config order and return the answers.
 
-    An exception from a child reaches vLLM as :class:`KvmuxChildError` naming
-    the child and the hook, chained to the original.
+    A child whose hook only returns a constant (``pass``, ``return 0, False``,
+    vLLM's base-class defaults) is not called: its answer is that constant
+    (see :func:`constant_answer`). An exception from a child reaches vLLM as
+    :class:`KvmuxChildError` naming the child and the hook, chained to the
+    original.
     """
-    return [call_child(mux, i, hook, *args, **kwargs) for i in range(len(mux._children))]
+    plan = _plan(mux, hook)
+    out = list(plan.answers)
+    for i, fn in plan.active:
+        try:
+            out[i] = fn(*args, **kwargs)
+        except Exception as e:
+            raise KvmuxChildError(mux._names[i], hook, f"{type(e).__name__}: {e}") from e
+    return out
+
+
+def active_children(mux: _Mux, hook: str) -> tuple[int, ...]:
+    """Indices of the children whose ``hook`` does something (the others only
+    return a constant and need not be called)."""
+    return _plan(mux, hook).indices
 
 
 def call_child(mux: _Mux, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -52,6 +76,39 @@ def call_child(mux: _Mux, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(mux._children[i], hook)(*args, **kwargs)
     except Exception as e:
         raise KvmuxChildError(mux._names[i], hook, f"{type(e).__name__}: {e}") from e
+
+
+@dataclass(frozen=True)
+class _Plan:
+    answers: tuple[Any, ...]
+    """Each child's answer where it is a constant (None where it is not)."""
+    active: tuple[tuple[int, Callable[..., Any]], ...]
+    """(index, bound hook) of the children that must be called."""
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(i for i, _ in self.active)
+
+
+def _plan(mux: _Mux, hook: str) -> _Plan:
+    """How to fan ``hook`` out over ``mux``'s children, decided on first use
+    and kept on the multiplexer (its children do not change)."""
+    plans: dict[str, _Plan] | None = getattr(mux, "_fanout_plans", None)
+    if plans is None:
+        plans = {}
+        mux._fanout_plans = plans  # type: ignore[attr-defined]
+    plan = plans.get(hook)
+    if plan is None:
+        answers: list[Any] = []
+        active = []
+        for i, child in enumerate(mux._children):
+            fn = getattr(child, hook)
+            const, value = constant_answer(fn)
+            answers.append(value)
+            if not const:
+                active.append((i, fn))
+        plan = plans[hook] = _Plan(tuple(answers), tuple(active))
+    return plan
 
 
 def _none(_: Any, answers: list[Any]) -> None:
@@ -144,10 +201,11 @@ def _make(name: str, hook: Hook) -> Callable[..., Any]:
     if hook.call_all:
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            answers, first_error = [], None
-            for i in range(len(self._children)):
+            plan = _plan(self, name)
+            answers, first_error = list(plan.answers), None
+            for i, _ in plan.active:
                 try:
-                    answers.append(call_child(self, i, name, *args, **kwargs))
+                    answers[i] = call_child(self, i, name, *args, **kwargs)
                 except Exception as e:
                     first_error = first_error or e
             if first_error is not None:
@@ -179,17 +237,46 @@ def install_fanout(base: type) -> Callable[[type], type]:
 
 
 _TRIVIAL = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG"}
+_IMMUTABLE = (type(None), bool, int, float, str, bytes)
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
+def _constant_code(func: Any) -> tuple[bool, Any]:
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False, None
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in _TRIVIAL]
+    if len(ops) == 1 and ops[0][0] == "RETURN_CONST":
+        value = ops[0][1]
+    elif len(ops) == 2 and ops[0][0] == "LOAD_CONST" and ops[1][0] == "RETURN_VALUE":
+        value = ops[0][1]
+    else:
+        return False, None
+    return (True, value) if _immutable(value) else (False, None)
+
+
+def constant_answer(hook: Any) -> tuple[bool, Any]:
+    """``(True, value)`` when the bound method ``hook``'s body only returns
+    the immutable constant ``value`` (``pass``, ``return 0, False``, a
+    docstring): calling it has no effect and answers ``value``, so the
+    multiplexer need not call it. ``(False, None)`` for anything else,
+    including callables set on the instance and wrapped functions."""
+    if not inspect.ismethod(hook):
+        return False, None
+    return _constant_code(hook)
 
 
 def is_noop(func: Callable[..., Any]) -> bool:
     """True when ``func``'s body does nothing (``pass``, a docstring, ``return``
     or ``return None``): such a child hook is skipped on the per-layer path."""
-    func = getattr(func, "__func__", func)
-    code = getattr(func, "__code__", None)
-    if code is None:
-        return False
-    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in _TRIVIAL]
-    return ops in ([("RETURN_CONST", None)], [("LOAD_CONST", None), ("RETURN_VALUE", None)])
+    const, value = _constant_code(func)
+    return const and value is None
 
 
 def layer_hook(children: Iterable[Any], name: str) -> Callable[..., None]:

@@ -38,7 +38,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvmux import _versions
 from kvmux._core import MuxCore, SaveCountdown
-from kvmux._fanout import call_child, call_children, install_fanout, layer_hook
+from kvmux._fanout import (
+    active_children,
+    call_child,
+    call_children,
+    install_fanout,
+    layer_hook,
+)
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
@@ -256,7 +262,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         get the request's real blocks (as vLLM's MultiConnector does)."""
         with self._forget_on_error(request):
             chosen = self._core.allocated(request.request_id, num_external_tokens)
-            for i in range(len(self._children)):
+            for i in active_children(self, "update_state_after_alloc"):
                 n = num_external_tokens if i == chosen else 0
                 call_child(self, i, "update_state_after_alloc", request, blocks, n)
 
@@ -307,7 +313,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 "the workers must run the same KvmuxConnector configuration"
             )
         try:
-            for i in range(len(self._children)):
+            for i in active_children(self, "update_connector_output"):
                 if worker_meta is not None:
                     connector_output.kv_connector_worker_meta = worker_meta.children[i]
                 call_child(self, i, "update_connector_output", connector_output)

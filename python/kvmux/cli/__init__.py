@@ -16,6 +16,7 @@ COMMANDS = {
         "run vLLM's scheduler with kvmux over its children (no model, vLLM 0.33)",
     ),
     "doctor": ("kvmux.cli.doctor", "check a --kv-transfer-config before starting vLLM"),
+    "bench": ("kvmux.cli.bench", "benchmark kvmux against vLLM's MultiConnector and others"),
 }
 
 

@@ -1,0 +1,33 @@
+"""What one comparison hands the runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Case"]
+
+
+@dataclass
+class Case:
+    key: str
+    """Short id: P1..P4."""
+    title: str
+    kvmux: Callable[[], object]
+    """One operation through kvmux."""
+    rival: Callable[[], object]
+    """The same operation through the rival, on the same children and inputs."""
+    rival_name: str
+    unit: str
+    """What one operation is (printed beside the times)."""
+    target: float
+    higher_is_better: bool = False
+    """False: the figure is kvmux time / rival time (lower is better). True:
+    it is rival time / kvmux time, kvmux's fraction of a limit (P4)."""
+    inner: int = 1
+    """Operations per timed repeat."""
+    check: Callable[[], None] | None = None
+    """Raises if the two sides did not do the same work (run once, untimed)."""
+    notes: dict[str, Any] = field(default_factory=dict)
+    """Sizes and the code paths timed, for the JSON and the table's footer."""

@@ -1,0 +1,59 @@
+"""Benchmark kvmux against what users would pick instead, side by side in one
+run: P1 the scheduler-side request lifecycle and P2 the worker's per-layer
+hooks against vLLM's MultiConnector over the same children, P3 the host
+tier's prefix lookup against vLLM's SimpleCPUOffloadConnector, P4 the host
+tier's copies against a plain contiguous torch copy. Prints median, spread
+and ratio per comparison."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvmux.bench import CASES
+
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
+    p.add_argument("--only", nargs="+", choices=sorted(CASES), help="run only these comparisons")
+    p.add_argument("--repeats", type=int, help="timed repeats per side (default 25; quick: 5)")
+    p.add_argument(
+        "--warmup", type=int, help="untimed repeats per side first (default 3; quick: 1)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write every timing and the table's figures")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    from kvmux.bench import CASES
+    from kvmux.bench.runner import format_table, write_json, write_plot
+    from kvmux.bench.runner import run as run_cases
+    from kvmux.bench.timing import Progress
+
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        raise SystemExit("--warmup must be 0 or more")
+    keys = args.only or list(CASES)
+    results = run_cases(
+        keys,
+        quick=args.quick,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        progress=Progress(enabled=not args.no_progress),
+    )
+    print(format_table(results))
+    if args.json:
+        write_json(args.json, results, sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+        print(f"JSON: {args.json}")
+    if args.plot:
+        write_plot(args.plot, results)
+        print(f"plot: {args.plot}")
+    return 0
