@@ -17,7 +17,7 @@ use crate::block_index::{chain_token_hashes, BlockIndex};
 use crate::merge::{self, ClashPolicy, MergeError, ValueEq};
 use crate::requests::{ChildMatch, LoadPolicy, RequestTable, MAX_CHILDREN};
 use crate::saves::SaveCountdown;
-use crate::stats::Counters;
+use crate::stats::{Child, Counters, Snapshot, Total, CHILD_NAMES, TOTAL_NAMES};
 
 /// The key kvmux itself adds to a finished request's params on request.
 const EXTRA_KEY: &str = "num_extra_cached_tokens";
@@ -160,12 +160,12 @@ impl MuxCore {
             .table
             .lookup(req_id, num_computed_tokens, self.load, matches);
         if got.tokens.is_some() {
-            for (m, c) in matches.iter().zip(&self.counters.children) {
+            for (i, m) in matches.iter().enumerate() {
                 let toks = m.tokens.unwrap_or(0);
-                Counters::add(&c.lookups, 1);
+                self.counters.child(i, Child::Lookups, 1);
                 if toks > 0 {
-                    Counters::add(&c.hits, 1);
-                    Counters::add(&c.hit_tokens, toks);
+                    self.counters.child(i, Child::Hits, 1);
+                    self.counters.child(i, Child::HitTokens, toks);
                 }
             }
         }
@@ -178,9 +178,10 @@ impl MuxCore {
         let chosen = self
             .table
             .allocated(req_id, self.names.len(), num_external_tokens);
-        if let Some(c) = chosen.and_then(|i| self.counters.children.get(i)) {
-            Counters::add(&c.loads, 1);
-            Counters::add(&c.load_tokens, num_external_tokens);
+        if let Some(i) = chosen {
+            self.counters.child(i, Child::Loads, 1);
+            self.counters
+                .child(i, Child::LoadTokens, num_external_tokens);
         }
         chosen
     }
@@ -206,7 +207,6 @@ impl MuxCore {
 
     /// External tokens of a request failed to load (vLLM recomputes them).
     fn load_failed(&self, req_id: &str, failed_tokens: u64) {
-        Counters::add(&self.counters.load_failures, 1);
         self.table.load_failed(req_id, failed_tokens);
     }
 
@@ -232,7 +232,7 @@ impl MuxCore {
     )> {
         let seen = self.table.finish(req_id);
         let state = seen.unwrap_or_default();
-        Counters::add(&self.counters.finished, 1);
+        self.counters.total(Total::Finished, 1);
         let mut n_async = 0u32;
         let mut sources: Vec<(usize, Bound<'py, PyDict>)> = Vec::with_capacity(results.len() + 1);
         for (i, res) in results.iter().enumerate() {
@@ -258,9 +258,7 @@ impl MuxCore {
                 .map_err(|_| bad(format!("returned async_save {}", repr(&res))))?;
             if is_async {
                 n_async += 1;
-                if let Some(c) = self.counters.children.get(i) {
-                    Counters::add(&c.async_saves, 1);
-                }
+                self.counters.child(i, Child::AsyncSaves, 1);
             }
             let params = tup.get_item(1)?;
             if !params.is_none() {
@@ -271,7 +269,8 @@ impl MuxCore {
             }
         }
         if want_extra {
-            Counters::add(&self.counters.extra_cached_tokens, state.loaded_tokens);
+            self.counters
+                .total(Total::ExtraCachedTokens, state.loaded_tokens);
             let own = PyDict::new(py);
             own.set_item(EXTRA_KEY, state.loaded_tokens)?;
             sources.push((self.names.len(), own));
@@ -285,7 +284,8 @@ impl MuxCore {
         } else {
             0
         };
-        Counters::add(&self.counters.extra_async_saves, u64::from(extra_saves));
+        self.counters
+            .total(Total::ExtraAsyncSaves, u64::from(extra_saves));
         let (params, warn) = match sources.len() {
             0 => (None, None),
             // One source: hand its dict back as it is, no copy.
@@ -309,46 +309,36 @@ impl MuxCore {
         self.table.clear();
     }
 
-    /// A snapshot of the counters: `{"children": {name: {...}}, ...}`.
+    /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
+    /// "live_requests": n}`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let out = PyDict::new(py);
-        let children = PyDict::new(py);
-        for (name, c) in self.names.iter().zip(&self.counters.children) {
-            let d = PyDict::new(py);
-            for (k, v) in [
-                ("lookups", &c.lookups),
-                ("hits", &c.hits),
-                ("hit_tokens", &c.hit_tokens),
-                ("loads", &c.loads),
-                ("load_tokens", &c.load_tokens),
-                ("async_saves", &c.async_saves),
-                ("contained_errors", &c.contained_errors),
-            ] {
-                d.set_item(k, Counters::get(v))?;
-            }
-            children.set_item(name, d)?;
-        }
-        out.set_item("children", children)?;
-        let k = &self.counters;
-        for (name, v) in [
-            ("finished", &k.finished),
-            ("extra_cached_tokens", &k.extra_cached_tokens),
-            ("clashes_resolved", &k.clashes_resolved),
-            ("clashes_raised", &k.clashes_raised),
-            ("extra_async_saves", &k.extra_async_saves),
-            ("load_failures", &k.load_failures),
-        ] {
-            out.set_item(name, Counters::get(v))?;
-        }
+        let out = self.counters_dict(py, &self.counters.snapshot(), false)?;
         out.set_item("live_requests", self.table.len())?;
         Ok(out)
     }
 
+    /// Counters changed since the previous call, nested and without zeros,
+    /// clashes keyed by policy; None when nothing changed. One call per stats
+    /// interval, for vLLM's `get_kv_connector_stats`.
+    fn take_interval<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let delta = self.counters.take_interval();
+        if delta.is_zero() {
+            return Ok(None);
+        }
+        self.counters_dict(py, &delta, true).map(Some)
+    }
+
+    /// Worker side: requests reported finished sending, blocks failed to load.
+    fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
+        self.counters
+            .total(Total::FinishedSending, finished_sending);
+        self.counters
+            .total(Total::LoadFailedBlocks, load_failed_blocks);
+    }
+
     /// Count a contained failure of child `child` (see the connector).
     fn count_contained(&self, child: usize) {
-        if let Some(c) = self.counters.children.get(child) {
-            Counters::add(&c.contained_errors, 1);
-        }
+        self.counters.child(child, Child::ContainedErrors, 1);
     }
 
     #[getter]
@@ -365,6 +355,48 @@ impl MuxCore {
 type Warnings = Option<Vec<(String, String, String)>>;
 
 impl MuxCore {
+    /// Counters as a dict; `sparse` drops zeros and folds the clash counters
+    /// into `{"clashes": {policy: n}}`.
+    fn counters_dict<'py>(
+        &self,
+        py: Python<'py>,
+        snap: &Snapshot,
+        sparse: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let children = PyDict::new(py);
+        for (name, row) in self.names.iter().zip(&snap.children) {
+            let d = PyDict::new(py);
+            for (k, &v) in CHILD_NAMES.iter().zip(row) {
+                if v > 0 || !sparse {
+                    d.set_item(k, v)?;
+                }
+            }
+            if !d.is_empty() {
+                children.set_item(name, d)?;
+            }
+        }
+        if !children.is_empty() || !sparse {
+            out.set_item("children", children)?;
+        }
+        let clashes = snap.totals[Total::ClashesResolved as usize]
+            + snap.totals[Total::ClashesRaised as usize];
+        for (i, (k, &v)) in TOTAL_NAMES.iter().zip(&snap.totals).enumerate() {
+            let is_clash =
+                i == Total::ClashesResolved as usize || i == Total::ClashesRaised as usize;
+            if sparse && (v == 0 || is_clash) {
+                continue;
+            }
+            out.set_item(k, v)?;
+        }
+        if sparse && clashes > 0 {
+            let by_policy = PyDict::new(py);
+            by_policy.set_item(self.clash.as_str(), clashes)?;
+            out.set_item("clashes", by_policy)?;
+        }
+        Ok(out)
+    }
+
     /// Merge several children's params under the clash policy. Returns the
     /// merged dict and the clashes resolved by `first`/`last` whose key has
     /// not been warned about yet (the caller logs them once).
@@ -406,7 +438,8 @@ impl MuxCore {
                         )
                     })
                     .collect();
-                Counters::add(&self.counters.clashes_resolved, out.resolved.len() as u64);
+                self.counters
+                    .total(Total::ClashesResolved, out.resolved.len() as u64);
                 let d = PyDict::new(py);
                 for e in out.entries {
                     d.set_item(e.key, e.value.0)?;
@@ -415,7 +448,7 @@ impl MuxCore {
             }
             Err(MergeError::Compare(e)) => Err(e),
             Err(MergeError::Clash(c)) => {
-                Counters::add(&self.counters.clashes_raised, 1);
+                self.counters.total(Total::ClashesRaised, 1);
                 Err(kvmux_error(
                     py,
                     "KvmuxParamClash",

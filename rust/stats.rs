@@ -1,62 +1,181 @@
 //! Counters of the multiplexer, kept with relaxed atomics so that any thread
-//! may bump them without a lock. A snapshot is a plain struct.
+//! may bump them without a lock. `snapshot` reads them all (cumulative);
+//! `take_interval` returns what changed since the previous take, for vLLM's
+//! per-interval connector stats.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
 
-/// Per-child counters.
-#[derive(Debug, Default)]
-pub struct ChildCounters {
+/// Per-child counters, by index into `CHILD_NAMES`.
+#[derive(Clone, Copy, Debug)]
+pub enum Child {
     /// Lookups answered with a count (not "not ready").
-    pub lookups: AtomicU64,
+    Lookups,
     /// Lookups that reported more than 0 matched tokens.
-    pub hits: AtomicU64,
+    Hits,
     /// Matched tokens reported, summed over hit lookups.
-    pub hit_tokens: AtomicU64,
-    /// Requests this child was chosen to load (allocated external tokens).
-    pub loads: AtomicU64,
+    HitTokens,
+    /// Requests this child was chosen to load.
+    Loads,
     /// External tokens allocated for this child to load.
-    pub load_tokens: AtomicU64,
+    LoadTokens,
     /// Async saves this child started on finished requests.
-    pub async_saves: AtomicU64,
+    AsyncSaves,
     /// Failures of this child on requests it never took part in, contained.
-    pub contained_errors: AtomicU64,
+    ContainedErrors,
 }
 
-/// Counters of one multiplexer instance.
+pub const CHILD_NAMES: [&str; 7] = [
+    "lookups",
+    "hits",
+    "hit_tokens",
+    "loads",
+    "load_tokens",
+    "async_saves",
+    "contained_errors",
+];
+
+/// Multiplexer-wide counters, by index into `TOTAL_NAMES`.
+#[derive(Clone, Copy, Debug)]
+pub enum Total {
+    Finished,
+    /// `num_extra_cached_tokens` reported, summed.
+    ExtraCachedTokens,
+    /// Clashes resolved by `first`/`last`.
+    ClashesResolved,
+    /// Clashes that raised (`error`/`strict`).
+    ClashesRaised,
+    /// Extra async completions the workers were told to wait for.
+    ExtraAsyncSaves,
+    /// Worker: requests reported finished sending.
+    FinishedSending,
+    /// Worker: blocks children failed to load.
+    LoadFailedBlocks,
+}
+
+pub const TOTAL_NAMES: [&str; 7] = [
+    "finished",
+    "extra_cached_tokens",
+    "clashes_resolved",
+    "clashes_raised",
+    "extra_async_saves",
+    "finished_sending",
+    "load_failed_blocks",
+];
+
+type Row = [AtomicU64; 7];
+
+/// Plain values of every counter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub totals: [u64; 7],
+    pub children: Vec<[u64; 7]>,
+}
+
+impl Snapshot {
+    pub fn is_zero(&self) -> bool {
+        self.totals.iter().all(|&v| v == 0) && self.children.iter().flatten().all(|&v| v == 0)
+    }
+}
+
 #[derive(Debug)]
 pub struct Counters {
-    pub children: Vec<ChildCounters>,
-    pub finished: AtomicU64,
-    /// `num_extra_cached_tokens` reported, summed.
-    pub extra_cached_tokens: AtomicU64,
-    /// Clashes resolved by `first`/`last`.
-    pub clashes_resolved: AtomicU64,
-    /// Clashes that raised (`error`/`strict`).
-    pub clashes_raised: AtomicU64,
-    /// Extra async completions the workers were told to wait for.
-    pub extra_async_saves: AtomicU64,
-    /// Requests whose load failed (some or all blocks), from the workers.
-    pub load_failures: AtomicU64,
+    totals: Row,
+    children: Vec<Row>,
+    taken: Mutex<Snapshot>,
+}
+
+fn load(row: &Row) -> [u64; 7] {
+    std::array::from_fn(|i| row[i].load(Relaxed))
 }
 
 impl Counters {
     pub fn new(n_children: usize) -> Self {
         Self {
-            children: (0..n_children).map(|_| ChildCounters::default()).collect(),
-            finished: AtomicU64::new(0),
-            extra_cached_tokens: AtomicU64::new(0),
-            clashes_resolved: AtomicU64::new(0),
-            clashes_raised: AtomicU64::new(0),
-            extra_async_saves: AtomicU64::new(0),
-            load_failures: AtomicU64::new(0),
+            totals: Default::default(),
+            children: (0..n_children).map(|_| Default::default()).collect(),
+            taken: Mutex::new(Snapshot {
+                totals: [0; 7],
+                children: vec![[0; 7]; n_children],
+            }),
         }
     }
 
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Relaxed);
+    pub fn child(&self, child: usize, c: Child, n: u64) {
+        if let Some(row) = self.children.get(child) {
+            row[c as usize].fetch_add(n, Relaxed);
+        }
     }
 
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Relaxed)
+    pub fn total(&self, t: Total, n: u64) {
+        self.totals[t as usize].fetch_add(n, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            totals: load(&self.totals),
+            children: self.children.iter().map(load).collect(),
+        }
+    }
+
+    /// What changed since the previous call (the first call: since start).
+    pub fn take_interval(&self) -> Snapshot {
+        let now = self.snapshot();
+        let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let delta = Snapshot {
+            totals: std::array::from_fn(|i| now.totals[i] - taken.totals[i]),
+            children: now
+                .children
+                .iter()
+                .zip(&taken.children)
+                .map(|(a, b)| std::array::from_fn(|i| a[i] - b[i]))
+                .collect(),
+        };
+        *taken = now;
+        delta
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn intervals_add_up_to_the_total() {
+        let c = Counters::new(2);
+        c.child(1, Child::Loads, 3);
+        c.total(Total::Finished, 1);
+        let first = c.take_interval();
+        assert_eq!(first.children[1][Child::Loads as usize], 3);
+        assert!(c.take_interval().is_zero());
+        c.total(Total::Finished, 2);
+        assert_eq!(c.take_interval().totals[Total::Finished as usize], 2);
+        assert_eq!(c.snapshot().totals[Total::Finished as usize], 3);
+        c.child(9, Child::Loads, 1); // unknown child: ignored
+    }
+
+    #[test]
+    fn threads_lose_no_count_across_takes() {
+        let c = Arc::new(Counters::new(1));
+        let adders: Vec<_> = (0..4)
+            .map(|_| {
+                let c = Arc::clone(&c);
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        c.child(0, Child::Lookups, 1);
+                    }
+                })
+            })
+            .collect();
+        let mut seen = 0;
+        for _ in 0..100 {
+            seen += c.take_interval().children[0][0];
+        }
+        for a in adders {
+            a.join().unwrap();
+        }
+        seen += c.take_interval().children[0][0];
+        assert_eq!(seen, 40_000);
     }
 }

@@ -56,6 +56,8 @@ def call_children(mux: _Mux, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
     """
     plan = _plan(mux, hook)
     out = list(plan.answers)
+    if not plan.active:
+        return out
     for i, fn in plan.active:
         try:
             out[i] = fn(*args, **kwargs)
@@ -78,36 +80,47 @@ def call_child(mux: _Mux, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
         raise KvmuxChildError(mux._names[i], hook, f"{type(e).__name__}: {e}") from e
 
 
+_UNSET = object()
+
+
 @dataclass(frozen=True)
 class _Plan:
     answers: tuple[Any, ...]
     """Each child's answer where it is a constant (None where it is not)."""
     active: tuple[tuple[int, Callable[..., Any]], ...]
     """(index, bound hook) of the children that must be called."""
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(i for i, _ in self.active)
+    indices: tuple[int, ...]
+    """The indices of ``active``."""
+    fixed: Any = None
+    """The combined answer when no child must be called and it is immutable
+    (None, a bool, a number); ``_UNSET`` otherwise."""
 
 
 def _plan(mux: _Mux, hook: str) -> _Plan:
     """How to fan ``hook`` out over ``mux``'s children, decided on first use
     and kept on the multiplexer (its children do not change)."""
-    plans: dict[str, _Plan] | None = getattr(mux, "_fanout_plans", None)
-    if plans is None:
-        plans = {}
-        mux._fanout_plans = plans  # type: ignore[attr-defined]
-    plan = plans.get(hook)
-    if plan is None:
-        answers: list[Any] = []
-        active = []
-        for i, child in enumerate(mux._children):
-            fn = getattr(child, hook)
-            const, value = constant_answer(fn)
-            answers.append(value)
-            if not const:
-                active.append((i, fn))
-        plan = plans[hook] = _Plan(tuple(answers), tuple(active))
+    try:
+        return mux._fanout_plans[hook]  # type: ignore[attr-defined]
+    except AttributeError:
+        mux._fanout_plans = {}  # type: ignore[attr-defined]
+    except KeyError:
+        pass
+    answers: list[Any] = []
+    active = []
+    for i, child in enumerate(mux._children):
+        fn = getattr(child, hook)
+        const, value = constant_answer(fn)
+        answers.append(value)
+        if not const:
+            active.append((i, fn))
+    fixed: Any = _UNSET
+    combine = FANOUT_HOOKS[hook].combine if hook in FANOUT_HOOKS else None
+    if combine is not None and not active:
+        value = combine(mux, list(answers))
+        if value is None or isinstance(value, bool | int | float):
+            fixed = value
+    plan = _Plan(tuple(answers), tuple(active), tuple(i for i, _ in active), fixed)
+    mux._fanout_plans[hook] = plan  # type: ignore[attr-defined]
     return plan
 
 
@@ -215,6 +228,9 @@ def _make(name: str, hook: Hook) -> Callable[..., Any]:
     else:
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            plan = _plan(self, name)
+            if not plan.active and plan.fixed is not _UNSET:
+                return plan.fixed  # every child answers a constant, and so do we
             return hook.combine(self, call_children(self, name, *args, **kwargs))
 
     method.__name__ = method.__qualname__ = name

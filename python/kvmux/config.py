@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,7 +65,7 @@ class MuxConfig:
     def names(self) -> list[str]:
         return [c.name for c in self.children]
 
-    @property
+    @functools.cached_property
     def all_support_hma(self) -> bool:
         return all(c.supports_hma for c in self.children)
 

@@ -25,8 +25,7 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +47,7 @@ from kvmux._fanout import (
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import KvmuxStats, build_child_stats, nested_add, nested_sub
+from kvmux.stats import KvmuxStats, build_child_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,10 +115,6 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra_saves: dict[str, int] = {}
         # Worker side: the countdown of those completions.
         self._countdown = SaveCountdown()
-        # Worker-side counters, and all counter values already reported
-        # through get_kv_connector_stats.
-        self._worker_counters = {"finished_sending": 0, "load_failed_blocks": 0}
-        self._reported: dict[str, Any] = {}
         # Per-layer hot path: only children whose hook does something.
         self.wait_for_layer_load: Callable[[str], None] = layer_hook(
             self._children, "wait_for_layer_load"
@@ -249,29 +244,27 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         """Ask every child; ``None`` while any child is not ready. The loading
         child is chosen by ``load_policy`` and remembered for the request."""
-        with self._forget_on_error(request):
+        try:
             answers = call_children(
                 self, "get_num_new_matched_tokens", request, num_computed_tokens
             )
             return self._core.lookup(request.request_id, num_computed_tokens, answers)
+        except BaseException:
+            # A child failed on the request: kvmux drops its own state for it
+            # (a later lookup starts afresh) and the error goes on to vLLM.
+            self._core.forget(request.request_id)
+            raise
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """The chosen child gets ``num_external_tokens``, the others 0; all
         get the request's real blocks (as vLLM's MultiConnector does)."""
-        with self._forget_on_error(request):
-            chosen = self._core.allocated(request.request_id, num_external_tokens)
+        chosen = self._core.allocated(request.request_id, num_external_tokens)
+        try:
             for i in active_children(self, "update_state_after_alloc"):
                 n = num_external_tokens if i == chosen else 0
                 call_child(self, i, "update_state_after_alloc", request, blocks, n)
-
-    @contextmanager
-    def _forget_on_error(self, request: Request) -> Iterator[None]:
-        """A child failed on a request: kvmux drops its own state for it (a
-        later lookup starts afresh) and the error goes on to vLLM."""
-        try:
-            yield
         except BaseException:
             self._core.forget(request.request_id)
             raise
@@ -348,8 +341,11 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, hook: str, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        with self._forget_on_error(request):
+        try:
             results = call_children(self, hook, request, block_ids)
+        except BaseException:
+            self._core.forget(req_id)
+            raise
         asked = getattr(request, "kv_transfer_params", None)
         want_extra = isinstance(asked, dict) and EXTRA_KEY in asked
         is_async, params, extra_saves, warn = self._core.finish(req_id, results, want_extra)
@@ -406,7 +402,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             sending.extend(snd or ())
             recving.update(rcv or ())
         done = self._countdown.complete(sending)
-        self._worker_counters["finished_sending"] += len(done)
+        if done:
+            self._core.count_worker(len(done), 0)
         return done or None, recving or None
 
     if _versions.HAS_TRANSFER_RESULTS:
@@ -419,7 +416,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 out.finished_recving.update(res.finished_recving)
                 out.failed_recving.update(res.failed_recving)
             out.finished_sending = self._countdown.complete(sending)
-            self._worker_counters["finished_sending"] += len(out.finished_sending)
+            if out.finished_sending:
+                self._core.count_worker(len(out.finished_sending), 0)
             return out
 
     def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
@@ -432,25 +430,15 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """Stats of the last interval: kvmux's own counters (on the scheduler
         side, where its decisions are made) and each child's, by child name."""
         return build_child_stats(
-            self._names, call_children(self, "get_kv_connector_stats"), self._counter_deltas()
+            self._names, call_children(self, "get_kv_connector_stats"), self._core.take_interval()
         )
-
-    def _counter_deltas(self) -> dict[str, Any]:
-        """kvmux's counters since the last call (nested; see kvmux.stats)."""
-        now = self._core.stats()
-        del now["live_requests"]
-        clashes = now.pop("clashes_resolved") + now.pop("clashes_raised")
-        now["clashes"] = {self._cfg.clash_policy: clashes}
-        nested_add(now, self._worker_counters)
-        deltas = nested_sub(now, self._reported)
-        self._reported = now
-        return deltas
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed: set[int] = set()
         for blocks in call_children(self, "get_block_ids_with_load_errors"):
             failed |= set(blocks or ())
-        self._worker_counters["load_failed_blocks"] += len(failed)
+        if failed:
+            self._core.count_worker(0, len(failed))
         return failed
 
     # vLLM calls these on the hot path per layer; they are instance attributes

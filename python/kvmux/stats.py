@@ -35,7 +35,6 @@ __all__ = [
     "KvmuxStats",
     "build_child_stats",
     "nested_add",
-    "nested_sub",
 ]
 
 logger = logging.getLogger("kvmux")
@@ -51,21 +50,6 @@ def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
         elif isinstance(v, int | float) and not isinstance(v, bool):
             dst[k] = dst.get(k, 0) + v
     return dst
-
-
-def nested_sub(now: Mapping[str, Any], before: Mapping[str, Any]) -> Nested:
-    """``now - before`` for nested counters, dropping zeros."""
-    out: Nested = {}
-    for k, v in now.items():
-        if isinstance(v, Mapping):
-            d = nested_sub(v, before.get(k) or {})
-            if d:
-                out[k] = d
-        elif isinstance(v, int | float) and not isinstance(v, bool):
-            diff = v - (before.get(k) or 0)
-            if diff:
-                out[k] = diff
-    return out
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, int | float]:
@@ -167,14 +151,17 @@ def build_child_stats(
     counters: Mapping[str, Any] | None = None,
 ) -> KvmuxStats | None:
     """One :class:`KvmuxStats` from kvmux's counters of the interval and the
-    children's stats; None when there is nothing to report."""
+    children's stats; None when there is nothing to report. (Called every
+    scheduler step: the common all-quiet case returns at once.)"""
+    if not counters and all(s is None for s in child_stats):
+        return None
     out = KvmuxStats()
     if counters:
-        nested_add(out.counters, counters)
+        out.data["kvmux"] = dict(counters)
     for name, s in zip(names, child_stats, strict=True):
         if s is not None:
             out.children[name] = s
-    return None if out.is_empty() else out
+    return out if counters or not out.is_empty() else None
 
 
 # (name of a Prometheus counter, exposed with _total; help; key in the
