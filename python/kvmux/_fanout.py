@@ -119,6 +119,8 @@ def _plan(mux: _Mux, hook: str) -> _Plan:
         value = combine(mux, list(answers))
         if value is None or isinstance(value, bool | int | float):
             fixed = value
+        elif isinstance(value, list | tuple) and not value:
+            fixed = ()  # e.g. no child has events: an empty, shareable answer
     plan = _Plan(tuple(answers), tuple(active), tuple(i for i, _ in active), fixed)
     mux._fanout_plans[hook] = plan  # type: ignore[attr-defined]
     return plan
