@@ -14,6 +14,12 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
+
+/// Keys are block hashes already (vLLM's sha256, our xxh3 chain): a fast
+/// non-cryptographic hasher is enough, and 2-3x cheaper than SipHash.
+type KeyMap = HashMap<Box<[u8]>, u32, Xxh3DefaultBuilder>;
+
 const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +49,7 @@ pub struct IndexCounters {
 #[derive(Debug)]
 pub struct BlockIndex {
     slots: Vec<Slot>,
-    map: HashMap<Box<[u8]>, u32>,
+    map: KeyMap,
     free: BTreeSet<u32>,
     /// Least recently used end of the list of unpinned ready slots.
     head: u32,
@@ -65,7 +71,7 @@ impl BlockIndex {
                     next: NIL,
                 })
                 .collect(),
-            map: HashMap::with_capacity(capacity),
+            map: KeyMap::with_capacity_and_hasher(capacity, Xxh3DefaultBuilder::new()),
             free: (0..capacity as u32).collect(),
             head: NIL,
             tail: NIL,
