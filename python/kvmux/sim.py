@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,16 @@ KV_HEADS = 2
 HEAD_SIZE = 32
 
 
-def tiny_model_dir() -> str:
-    """A folder with only a tiny Llama config.json: enough for ModelConfig."""
-    root = Path(os.environ.get("KVMUX_CACHE_DIR", tempfile.gettempdir())) / "kvmux-tiny-llama"
+def tiny_model_dir(root: str | os.PathLike[str] | None = None) -> str:
+    """A folder with only a tiny Llama config.json: enough for ModelConfig.
+
+    ``root`` picks the folder; its path is the model's name, which external
+    caches such as LMCache put in their keys (a distinct folder: distinct keys).
+    """
+    if root is None:
+        base = os.environ.get("KVMUX_CACHE_DIR", tempfile.gettempdir())
+        root = Path(base) / "kvmux-tiny-llama"
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -78,9 +86,10 @@ def vllm_config(
     prefix_caching: bool = True,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 1024,
+    model_dir: str | os.PathLike[str] | None = None,
 ) -> VllmConfig:
     model = ModelConfig(
-        model=tiny_model_dir(),
+        model=tiny_model_dir(model_dir),
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=1024,
@@ -103,6 +112,11 @@ def vllm_config(
     if hma is not None:
         cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hma
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # The engine core resolves the KV cache layout before building workers;
+    # vLLM's CPU attention backend supports only LBHNC (the layout of
+    # make_kv_caches). Connectors such as LMCache's read it at registration.
+    if cfg.cache_config.kv_cache_layout is None:
+        cfg.cache_config.kv_cache_layout = "LBHNC"
     return cfg
 
 
@@ -206,6 +220,10 @@ class SchedulerSim:
     model runner runs, aggregates the workers' outputs with vLLM's own
     ``KVOutputAggregator`` and feeds the result back to the scheduler. The
     model itself is the one stand-in (see ``fake_model_output``).
+
+    ``idle_wait_s``: how long :meth:`run` waits after a step that scheduled
+    nothing, as an engine's busy loop would pass time while a connector's
+    asynchronous lookup or load (e.g. LMCache's) is under way.
     """
 
     def __init__(
@@ -215,9 +233,11 @@ class SchedulerSim:
         num_blocks: int = NUM_BLOCKS,
         write_kv: bool = True,
         workers: int = 1,
+        idle_wait_s: float = 0.0,
         **cfg: Any,
     ) -> None:
         self.write_kv = write_kv
+        self.idle_wait_s = idle_wait_s
         self.vllm_config = vllm_config(ktc, **cfg)
         self.vllm_config.parallel_config.tensor_parallel_size = workers
         self.scheduler = make_scheduler(self.vllm_config, num_blocks)
@@ -256,6 +276,8 @@ class SchedulerSim:
         writes: list[tuple[int, int, float]],
     ) -> ModelRunnerOutput:
         w.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
+        # What a model runner's forward context carries for connectors
+        # (LMCache's start_load_kv needs attn_metadata and no_compile_layers).
         w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
         for layer, (name, kv) in enumerate(kv_caches.items()):
             w.wait_for_layer_load(name)
@@ -337,10 +359,34 @@ class SchedulerSim:
         rows = [kv[block_ids[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :] for p in range(num_tokens)]
         return torch.stack(rows)
 
-    def run(self, max_steps: int = 200) -> None:
+    def idle(self) -> None:
+        """Let ``idle_wait_s`` pass, as an engine loop does between polls."""
+        if self.idle_wait_s:
+            time.sleep(self.idle_wait_s)
+
+    def close(self) -> None:
+        """Shut every connector down (threads, sockets), as vLLM does."""
+        try:
+            for w in self.workers:
+                w.shutdown()
+        finally:
+            self.connector.shutdown()
+
+    def run(self, max_steps: int = 200, timeout_s: float | None = None) -> None:
+        """Step until every request is finished and its blocks are freed;
+        raise ``TimeoutError`` after ``max_steps`` steps or ``timeout_s`` seconds."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for _ in range(max_steps):
             # A request stays in scheduler.requests until its async saves end.
             if not self.scheduler.has_requests() and not self.scheduler.requests:
                 return
-            self.step()
-        raise RuntimeError(f"the scheduler did not drain in {max_steps} steps")
+            so = self.step()
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if not so.num_scheduled_tokens:
+                self.idle()
+        raise TimeoutError(
+            f"the scheduler did not drain in {max_steps} steps"
+            + (f" / {timeout_s} s" if timeout_s is not None else "")
+            + f"; still holding {sorted(self.scheduler.requests)}"
+        )

@@ -1,0 +1,234 @@
+"""kvmux with the real LMCache as a child: vLLM's real v1 ``Scheduler`` and
+the worker side (real CPU tensors as the paged KV cache) drive
+``KvmuxConnector`` over LMCache's ``LMCacheMPConnector``, talking to a real
+LMCache MP server on loopback (``tests/lmcache_server.py``), and
+``KvmuxHostCache``. The model is the one stand-in (``kvmux.sim``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import SchedulerSim, mux_config
+from lmcache_server import time_limit
+
+PREFIX = list(range(300, 348))  # 48 tokens: 3 vLLM blocks = 3 LMCache chunks
+ASK = {"cached_token_stats": True, "num_extra_cached_tokens": True}
+LM, HOST = "LMCacheMPConnector", "KvmuxHostCache"
+
+
+def host_child(num_blocks: int = 64) -> dict:
+    return {
+        "kv_connector": HOST,
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_blocks": num_blocks},
+    }
+
+
+@pytest.fixture
+def make_sim(model_dir):
+    """Build sims (their model folder, hence LMCache model name, is this
+    test's own) and shut their connectors down at the end of the test."""
+    built: list[SchedulerSim] = []
+
+    def make(children: list[dict], **mux_extra) -> SchedulerSim:
+        # idle_wait_s: LMCache's lookups and loads are asynchronous; an idle
+        # engine loop lets time pass between polls.
+        d = SchedulerSim(mux_config(children, **mux_extra), model_dir=model_dir, idle_wait_s=0.02)
+        built.append(d)
+        return d
+
+    yield make
+    for d in built:
+        d.close()
+
+
+def run(d: SchedulerSim) -> None:
+    with time_limit(60, "draining the scheduler"):
+        d.run(max_steps=3000, timeout_s=45)
+
+
+def forget_locally(d: SchedulerSim) -> None:
+    """Wipe every copy of the KV outside LMCache: vLLM's prefix cache, the
+    paged KV tensors and kvmux's host tier."""
+    assert d.scheduler.reset_prefix_cache()
+    for kv in d.kv_caches.values():
+        kv.zero_()
+    host = child_by_name(d, HOST)
+    if host is not None:
+        host.scheduler.index.clear_unpinned()
+
+
+def child_by_name(d: SchedulerSim, name: str):
+    names = d.connector.child_names
+    return d.connector.children[names.index(name)] if name in names else None
+
+
+def lm_trackers(d: SchedulerSim) -> dict:
+    return child_by_name(d, LM).request_trackers
+
+
+def kv_is_exact(d: SchedulerSim, req_id: str, tokens: list[int]) -> bool:
+    return all(
+        torch.equal(d.device_kv(req_id, layer, len(tokens)), d.expected_kv(tokens, layer))
+        for layer in range(2)
+    )
+
+
+def store_prefix(d: SchedulerSim, req_id: str = "A", tokens: list[int] = PREFIX) -> None:
+    d.add(req_id, tokens + [1, 2, 3], max_tokens=2)
+    run(d)
+
+
+# --------------------------------------------------------------- lookups
+
+
+def test_a_request_waits_while_lmcache_has_not_answered(lmcache_server, make_sim):
+    """LMCache's lookup answers None before its count: kvmux keeps the request
+    waiting, so it is first scheduled with the LMCache hit already loaded,
+    never computed from scratch."""
+    d = make_sim([lmcache_server.child(), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    first = d.step()
+    assert "B" not in first.num_scheduled_tokens  # LMCache is still looking
+    scheduled = []
+    with time_limit(60):
+        while "B" not in d.finished:
+            so = d.step()
+            if "B" in so.num_scheduled_tokens:
+                scheduled.append((so.num_scheduled_tokens["B"], b.num_computed_tokens))
+            if not so.num_scheduled_tokens:
+                d.idle()
+    # The first time B computes anything, the 48 LMCache tokens are already in.
+    assert scheduled[0] == (5, 53)
+    run(d)
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+
+
+# ----------------------------------------------------- the loading child
+
+
+def test_lmcache_loads_the_host_tier_is_told_zero_and_lookup_locks_are_released(
+    lmcache_server, make_sim
+):
+    """Only LMCache has the prefix: it loads (byte-exact), the host tier is
+    told 0 external tokens (pins nothing), and after the run LMCache holds no
+    lookup lock: a cache clear then really empties it."""
+    d = make_sim([host_child(), lmcache_server.child()])
+    store_prefix(d)
+    forget_locally(d)
+    d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    run(d)
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+    st = d.connector.mux_stats()["children"]
+    assert st[LM]["loads"] == 1 and st[LM]["load_tokens"] == 48
+    assert st[HOST]["loads"] == 0
+    assert child_by_name(d, HOST).index_stats()["pinned"] == 0
+    assert lm_trackers(d) == {} and d.connector.num_live_requests() == 0
+    assert_no_lookup_locks_left(d)
+
+
+def test_the_host_tier_loads_and_lmcache_releases_its_lookup_locks(lmcache_server, make_sim):
+    """Both children hold the prefix and the host tier comes first: it loads;
+    LMCache, told 0 external tokens, frees the chunks its lookup locked."""
+    d = make_sim([host_child(), lmcache_server.child()])
+    store_prefix(d)
+    assert d.scheduler.reset_prefix_cache()
+    d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    run(d)
+    st = d.connector.mux_stats()["children"]
+    assert st[HOST]["loads"] == 1 and st[LM]["loads"] == 0
+    assert st[LM]["hit_tokens"] == 48  # LMCache had it too
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+    assert_no_lookup_locks_left(d)
+
+
+def assert_no_lookup_locks_left(d: SchedulerSim) -> None:
+    """LMCache keeps chunks a lookup locked through a (non-forced) cache
+    clear; with every lock released the clear empties it, so a new lookup
+    of the prefix finds nothing."""
+    assert child_by_name(d, LM).reset_cache() is True
+    assert d.scheduler.reset_prefix_cache()
+    before = d.connector.mux_stats()["children"][LM]
+    d.add("probe", PREFIX + [4], max_tokens=1)
+    run(d)
+    after = d.connector.mux_stats()["children"][LM]
+    assert after["lookups"] == before["lookups"] + 1
+    assert after["hit_tokens"] == before["hit_tokens"]  # the prefix is gone
+
+
+# ------------------------------------------------------------ round trip
+
+
+def test_kv_stored_through_lmcache_comes_back_byte_exact_after_a_local_wipe(
+    lmcache_server, make_sim
+):
+    d = make_sim([lmcache_server.child(), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    with time_limit(60):
+        while b.num_computed_tokens < len(PREFIX):
+            d.step()
+            d.idle()
+    # Loaded into other blocks than A's, bit for bit, in every layer.
+    assert kv_is_exact(d, "B", PREFIX)
+    run(d)
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+
+
+# ----------------------------------------------------------------- params
+
+
+def test_lmcache_cached_token_stats_and_kvmux_extra_tokens_reach_the_request(
+    lmcache_server, make_sim
+):
+    d = make_sim([lmcache_server.child(), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    run(d)
+    d.add("C", PREFIX + [8] * 5, kv_transfer_params=ASK)  # vLLM's own cache has it now
+    run(d)
+    assert d.finished["B"] == {
+        "cached_token_stats": {
+            "num_vllm_cached_tokens": 0,
+            "num_lmcache_cached_tokens": 48,
+            "num_lmcache_extra_cached_tokens": 48,
+        },
+        "num_extra_cached_tokens": 48,
+    }
+    c = d.finished["C"]
+    assert c["num_extra_cached_tokens"] == 0
+    assert c["cached_token_stats"]["num_vllm_cached_tokens"] == 48
+    assert c["cached_token_stats"]["num_lmcache_extra_cached_tokens"] == 0
+    assert d.connector.mux_stats()["clashes_raised"] == 0
+
+
+# --------------------------------------------------------- load policies
+
+
+@pytest.mark.parametrize(("policy", "loader", "loaded"), [("first", HOST, 32), ("longest", LM, 48)])
+def test_load_policy_picks_between_host_tier_and_lmcache(
+    lmcache_server, make_sim, policy, loader, loaded
+):
+    """The host tier (first in order) holds 2 blocks of the prefix, LMCache
+    all 3: ``first`` loads from the host tier, ``longest`` from LMCache."""
+    d = make_sim([host_child(), lmcache_server.child()], load_policy=policy)
+    store_prefix(d, "A", PREFIX[:32])  # both children: 2 blocks
+    # LMCache alone (another engine on the same server) stores the 3rd block.
+    other = make_sim([lmcache_server.child()])
+    store_prefix(other, "A2", PREFIX)
+    assert d.scheduler.reset_prefix_cache()
+    for kv in d.kv_caches.values():
+        kv.zero_()
+    d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    run(d)
+    st = d.connector.mux_stats()["children"]
+    assert st[HOST]["hit_tokens"] == 32 and st[LM]["hit_tokens"] == 48
+    assert st[loader]["loads"] == 1 and st[loader]["load_tokens"] == loaded
+    assert d.finished["B"]["num_extra_cached_tokens"] == loaded
