@@ -205,6 +205,15 @@ impl MuxCore {
             .is_some_and(|s| s.child_took_part(child))
     }
 
+    /// The load planned for a live request: `(local prefix tokens, external
+    /// tokens the chosen child loads after them)`; None when nothing loads.
+    fn loading(&self, req_id: &str) -> Option<(u64, u64)> {
+        self.table
+            .get(req_id)
+            .filter(|s| s.loaded_tokens > 0)
+            .map(|s| (s.local_hit_tokens, s.loaded_tokens))
+    }
+
     /// External tokens of a request failed to load (vLLM recomputes them).
     fn load_failed(&self, req_id: &str, failed_tokens: u64) {
         self.table.load_failed(req_id, failed_tokens);

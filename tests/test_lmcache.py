@@ -33,10 +33,12 @@ def make_sim(model_dir):
     test's own) and shut their connectors down at the end of the test."""
     built: list[SchedulerSim] = []
 
-    def make(children: list[dict], **mux_extra) -> SchedulerSim:
+    def make(children: list[dict], failure_policy: str = "fail", **mux_extra) -> SchedulerSim:
+        ktc = mux_config(children, **mux_extra)
+        ktc.kv_load_failure_policy = failure_policy  # vLLM's default: "fail"
         # idle_wait_s: LMCache's lookups and loads are asynchronous; an idle
         # engine loop lets time pass between polls.
-        d = SchedulerSim(mux_config(children, **mux_extra), model_dir=model_dir, idle_wait_s=0.02)
+        d = SchedulerSim(ktc, model_dir=model_dir, idle_wait_s=0.02)
         built.append(d)
         return d
 
@@ -232,3 +234,110 @@ def test_load_policy_picks_between_host_tier_and_lmcache(
     assert st[HOST]["hit_tokens"] == 32 and st[LM]["hit_tokens"] == 48
     assert st[loader]["loads"] == 1 and st[loader]["load_tokens"] == loaded
     assert d.finished["B"]["num_extra_cached_tokens"] == loaded
+
+
+# ----------------------------------------------------------------- faults
+
+#: Short LMCache timeouts, so a dead server is noticed within seconds.
+FAST = {"lmcache.mp.mq_timeout": 2, "lmcache.mp.heartbeat_interval": 0.5}
+
+
+def assert_nothing_left(d: SchedulerSim) -> None:
+    assert d.connector.num_live_requests() == 0
+    assert d.worker.num_pending_async_saves() == 0
+    assert lm_trackers(d) == {}
+    st = child_by_name(d, HOST).index_stats()
+    assert st["pinned"] == 0 and st["writing"] == 0
+
+
+def kill_when_a_load_is_planned(d: SchedulerSim, server) -> None:
+    """Kill the server right after the scheduler plans an LMCache load, before
+    the worker runs it."""
+    schedule = d.scheduler.schedule
+    lm = d.connector.child_names.index(LM)
+
+    def schedule_then_kill():
+        so = schedule()
+        if any(m.direction == "RETRIEVE" for m in so.kv_connector_metadata.children[lm].requests):
+            server.kill()
+            d.scheduler.schedule = schedule
+        return so
+
+    d.scheduler.schedule = schedule_then_kill
+
+
+def test_server_killed_during_a_lookup_the_request_is_computed_locally(
+    own_lmcache_server, make_sim
+):
+    d = make_sim([own_lmcache_server.child(**FAST), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    tokens = PREFIX + [9] * 5
+    b = d.add("B", tokens, kv_transfer_params=ASK)
+    d.step()  # LMCache's lookup is under way
+    own_lmcache_server.kill()
+    with time_limit(60):
+        while b.num_computed_tokens < len(tokens):
+            d.step()
+            d.idle()
+        assert kv_is_exact(d, "B", tokens)  # computed here, nothing loaded
+        d.run(max_steps=3000, timeout_s=30)
+    assert d.outputs["B"] == [7, 7, 7, 7]
+    assert d.finished["B"]["num_extra_cached_tokens"] == 0
+    assert d.connector.mux_stats()["children"][LM]["loads"] == 0
+    assert_nothing_left(d)
+
+
+def test_server_killed_during_a_load_vllm_recomputes_through_its_load_error_path(
+    own_lmcache_server, make_sim
+):
+    """The load was planned, then the server died: LMCache reports the blocks
+    through ``get_block_ids_with_load_errors``, kvmux passes them on, vLLM
+    (``kv_load_failure_policy: recompute``) recomputes them, and the failed
+    tokens do not count as loaded."""
+    d = make_sim([own_lmcache_server.child(**FAST), host_child()], failure_policy="recompute")
+    store_prefix(d)
+    forget_locally(d)
+    tokens = PREFIX + [9] * 5
+    b = d.add("B", tokens, kv_transfer_params=ASK)
+    kill_when_a_load_is_planned(d, own_lmcache_server)
+    with time_limit(60):
+        while b.num_computed_tokens < len(tokens):
+            d.step()
+            d.idle()
+        assert kv_is_exact(d, "B", tokens)  # recomputed: the KV tensors were zeroed
+        d.run(max_steps=3000, timeout_s=30)
+    stats = d.connector.mux_stats()
+    assert stats["load_failures"] == 1
+    assert stats["children"][LM]["loads"] == 1
+    assert d.finished["B"]["num_extra_cached_tokens"] == 0
+    assert d.finished["B"]["cached_token_stats"]["num_lmcache_extra_cached_tokens"] == 0
+    assert_nothing_left(d)
+
+
+def test_server_restarted_kvmux_recovers(own_lmcache_server, make_sim):
+    server = own_lmcache_server
+    d = make_sim([server.child(**FAST), host_child()])
+    store_prefix(d)
+    server.kill()
+    d.add("during", list(range(700, 740)), max_tokens=2)  # served while it is down
+    with time_limit(60):
+        d.run(max_steps=3000, timeout_s=45)
+    assert d.outputs["during"] == [7, 7]
+    server.start()  # same port, empty cache
+    lm_sched, lm_worker = child_by_name(d, LM), d.worker.children[0]
+    with time_limit(60, "waiting for LMCache to see the server again"):
+        while not (lm_sched.scheduler_adapter.is_healthy and lm_worker.worker_adapter.is_healthy):
+            d.step()
+            d.idle()
+    store_prefix(d, "A2")
+    forget_locally(d)
+    b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    with time_limit(60):
+        while b.num_computed_tokens < len(PREFIX):
+            d.step()
+            d.idle()
+    assert kv_is_exact(d, "B", PREFIX)
+    run(d)
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+    assert_nothing_left(d)

@@ -24,7 +24,12 @@ class MuxCore:
     def forget(self, req_id: str) -> bool:
         """Drop a request's state without counting it finished."""
     def took_part(self, req_id: str, child: int) -> bool: ...
-    def load_failed(self, req_id: str, failed_tokens: int) -> None: ...
+    def loading(self, req_id: str) -> tuple[int, int] | None:
+        """``(local prefix tokens, external tokens to load after them)`` of a
+        live request whose load is planned; None when nothing loads."""
+    def load_failed(self, req_id: str, failed_tokens: int) -> None:
+        """Some of a request's external tokens failed to load: they no longer
+        count in ``num_extra_cached_tokens``; ``load_failures`` counts it."""
     def finish(
         self,
         req_id: str,

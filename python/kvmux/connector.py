@@ -44,6 +44,7 @@ from kvmux._fanout import (
     install_fanout,
     layer_hook,
 )
+from kvmux._load_failures import LoadWatch
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
@@ -113,6 +114,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._core = MuxCore(list(self._names), cfg.clash_policy, cfg.load_policy)
         # Scheduler side: extra async completions to send with the next metadata.
         self._extra_saves: dict[str, int] = {}
+        # Scheduler side: blocks of planned loads, to map load errors back.
+        self._loads = LoadWatch(vllm_config.cache_config.block_size)
         # Worker side: the countdown of those completions.
         self._countdown = SaveCountdown()
         # Per-layer hot path: only children whose hook does something.
@@ -261,6 +264,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """The chosen child gets ``num_external_tokens``, the others 0; all
         get the request's real blocks (as vLLM's MultiConnector does)."""
         chosen = self._core.allocated(request.request_id, num_external_tokens)
+        if chosen is not None:
+            self._loads.planned(request.request_id, blocks)
         try:
             for i in active_children(self, "update_state_after_alloc"):
                 n = num_external_tokens if i == chosen else 0
@@ -298,7 +303,14 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Each child sees its own slice of the workers' metadata."""
+        """Each child sees its own slice of the workers' metadata. Loads the
+        workers report failed (``invalid_block_ids``, ``failed_recving``) stop
+        counting in ``num_extra_cached_tokens``; vLLM handles the requests."""
+        self._loads.check(
+            self._core,
+            connector_output.invalid_block_ids,
+            getattr(connector_output, "failed_recving", None),
+        )
         worker_meta = connector_output.kv_connector_worker_meta
         if worker_meta is not None and not isinstance(worker_meta, KvmuxWorkerMetadata):
             raise TypeError(
@@ -341,6 +353,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, hook: str, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._loads.forget(req_id)
         try:
             results = call_children(self, hook, request, block_ids)
         except BaseException:
