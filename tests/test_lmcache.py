@@ -7,8 +7,13 @@ LMCache MP server on loopback (``tests/lmcache_server.py``), and
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
+from vllm.config import KVTransferConfig
 
 from harness import SchedulerSim, mux_config
 from lmcache_server import time_limit
@@ -341,3 +346,72 @@ def test_server_restarted_kvmux_recovers(own_lmcache_server, make_sim):
     run(d)
     assert d.finished["B"]["num_extra_cached_tokens"] == 48
     assert_nothing_left(d)
+
+
+# ------------------------------------------------------------------ stats
+
+
+def test_lmcache_stats_and_kvmux_counters_reach_vllms_stats_path(lmcache_server, make_sim):
+    """What vLLM's stat loggers receive, rebuilt and summed over the run:
+    LMCache's own stats under its child name beside kvmux's counters."""
+    from kvmux.stats import KvmuxStats
+
+    d = make_sim([lmcache_server.child(), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    run(d)
+    total = KvmuxStats()
+    for entry in d.kv_stats:
+        total.aggregate(KvmuxStats.rebuild(entry))
+    seen = total.reduce()
+    assert seen["LMCacheMPConnector.LMCache MP lookup count"] == 2
+    assert seen["kvmux.LMCacheMPConnector.loads"] == 1
+    assert seen["kvmux.LMCacheMPConnector.load_tokens"] == 48
+    assert seen["kvmux.extra_cached_tokens"] == 48
+    assert seen["kvmux.finished"] == 2
+
+
+# ----------------------------------------------------------------- README
+
+
+def readme_lmcache_section() -> str:
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index("### With LMCache")
+    return text[start : text.index("\n## ", start)]
+
+
+def test_the_readme_server_command_is_the_one_the_tests_run(lmcache_server):
+    section = readme_lmcache_section()
+    cmd = re.search(r"LMCACHE_TRACK_USAGE=false python (-m .*?)\n\s*```", section, re.S)
+    assert cmd is not None
+    words = cmd.group(1).replace("\\\n", " ").split()
+    ours = lmcache_server.command()[1:]
+    ours[ours.index("--port") + 1] = "5555"
+    assert words == ours
+
+
+def test_the_readme_lmcache_setup_runs_as_written(lmcache_server, model_dir):
+    """The README's --kv-transfer-config, with only the server's port (and a
+    smaller host tier) substituted, stores and loads through LMCache."""
+    section = readme_lmcache_section()
+    cfg = json.loads(re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.S).group(1))
+    children = cfg["kv_connector_extra_config"]["connectors"]
+    for c in children:
+        extra = c.get("kv_connector_extra_config", {})
+        if "lmcache.mp.port" in extra:
+            extra["lmcache.mp.port"] = lmcache_server.port
+        if "capacity_gib" in extra:
+            extra["capacity_gib"] = 0.01
+    d = SchedulerSim(KVTransferConfig(**cfg), model_dir=model_dir, idle_wait_s=0.02, hma=None)
+    try:
+        assert type(d.connector).__name__ == "KvmuxConnector"
+        assert d.connector.child_names == [HOST, LM]
+        store_prefix(d)
+        forget_locally(d)
+        d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+        run(d)
+        assert d.finished["B"]["num_extra_cached_tokens"] == 48
+        assert d.finished["B"]["cached_token_stats"]["num_lmcache_extra_cached_tokens"] == 48
+    finally:
+        d.close()
