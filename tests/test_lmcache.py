@@ -274,7 +274,9 @@ def kill_when_a_load_is_planned(d: SchedulerSim, server) -> None:
 def test_server_killed_during_a_lookup_the_request_is_computed_locally(
     own_lmcache_server, make_sim
 ):
-    d = make_sim([own_lmcache_server.child(**FAST), host_child()])
+    # (If the server's answer was already on its way, the lookup succeeds and
+    # the load fails instead: vLLM recomputes either way.)
+    d = make_sim([own_lmcache_server.child(**FAST), host_child()], failure_policy="recompute")
     store_prefix(d)
     forget_locally(d)
     tokens = PREFIX + [9] * 5
@@ -289,7 +291,6 @@ def test_server_killed_during_a_lookup_the_request_is_computed_locally(
         d.run(max_steps=3000, timeout_s=30)
     assert d.outputs["B"] == [7, 7, 7, 7]
     assert d.finished["B"]["num_extra_cached_tokens"] == 0
-    assert d.connector.mux_stats()["children"][LM]["loads"] == 0
     assert_nothing_left(d)
 
 
@@ -366,8 +367,8 @@ def test_lmcache_stats_and_kvmux_counters_reach_vllms_stats_path(lmcache_server,
         total.aggregate(KvmuxStats.rebuild(entry))
     seen = total.reduce()
     assert seen["LMCacheMPConnector.LMCache MP lookup count"] == 2
-    assert seen["kvmux.LMCacheMPConnector.loads"] == 1
-    assert seen["kvmux.LMCacheMPConnector.load_tokens"] == 48
+    assert seen["kvmux.children.LMCacheMPConnector.loads"] == 1
+    assert seen["kvmux.children.LMCacheMPConnector.load_tokens"] == 48
     assert seen["kvmux.extra_cached_tokens"] == 48
     assert seen["kvmux.finished"] == 2
 
