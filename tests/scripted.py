@@ -14,6 +14,7 @@ sets. It records every call so tests can check what kvmux routed to it.
 - ``params``: the dict ``request_finished`` returns (None: no params)
 - ``layer_work``: its per-layer hooks do something (record the layer)
 - ``fail``: name of a hook that raises ``RuntimeError``
+- ``partial_tail``: ``register_finished_partial_tail`` keeps the blocks
 - ``hold``: request ids whose async save does not complete until removed
 - ``fail_loads``: every load it is chosen for fails (blocks reported as
   load errors, so vLLM recomputes or fails the request)
@@ -100,6 +101,13 @@ class ScriptedConnector(KVConnectorBase_V1):
             self._async_finished.append(request.request_id)
         params = self.script.get("params")
         return is_async, (dict(params) if params is not None else None)
+
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: Any, partial_tail_offloads: Any
+    ) -> bool:
+        self._maybe_fail("register_finished_partial_tail")
+        self.calls.append(("partial_tail", request.request_id))
+        return bool(self.script.get("partial_tail"))
 
     # worker side
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

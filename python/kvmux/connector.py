@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
+from kvmux._containment import DroppedSaves, call_children_on_exit
 from kvmux._core import MuxCore, SaveCountdown
 from kvmux._fanout import (
     active_children,
@@ -116,6 +117,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra_saves: dict[str, int] = {}
         # Scheduler side: blocks of planned loads, to map load errors back.
         self._loads = LoadWatch(vllm_config.cache_config.block_size)
+        # Failures contained on requests a child never took part in (see
+        # kvmux._containment): children warned about, and the children whose
+        # completions of a request the workers drop (sent with the metadata).
+        self._contained_warned: set[int] = set()
+        self._dropped_saves: dict[str, tuple[int, ...]] = {}
+        self._dropped = DroppedSaves()
         # Worker side: the countdown of those completions.
         self._countdown = SaveCountdown()
         # Per-layer hot path: only children whose hook does something.
@@ -298,8 +305,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         meta = KvmuxMetadata(
             children=tuple(call_children(self, "build_connector_meta", scheduler_output)),
             extra_async_saves=self._extra_saves or None,
+            dropped_saves=self._dropped_saves or None,
         )
         self._extra_saves = {}
+        self._dropped_saves = {}
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -349,16 +358,44 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             )
         return self._finish(request, "request_finished", block_ids[0])
 
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        """True when any child keeps the request's blocks for a partial tail.
+        Called on a request's way out, so a child that never took part in the
+        request and fails is contained (see ``kvmux._containment``)."""
+        try:
+            answers, _ = call_children_on_exit(
+                self,
+                "register_finished_partial_tail",
+                request,
+                block_ids,
+                partial_tail_offloads,
+                default=False,
+            )
+        except BaseException:
+            self._core.forget(request.request_id)
+            raise
+        return any(answers)
+
     def _finish(
         self, request: Request, hook: str, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._loads.forget(req_id)
         try:
-            results = call_children(self, hook, request, block_ids)
+            # A child that never took part and fails is contained; see _containment.
+            results, contained = call_children_on_exit(
+                self, hook, request, block_ids, default=(False, None)
+            )
         except BaseException:
             self._core.forget(req_id)
             raise
+        if contained:
+            self._dropped_saves[req_id] = tuple(contained)
         asked = getattr(request, "kv_transfer_params", None)
         want_extra = isinstance(asked, dict) and EXTRA_KEY in asked
         is_async, params, extra_saves, warn = self._core.finish(req_id, results, want_extra)
@@ -382,6 +419,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._own_metadata(connector_metadata)
         if meta.extra_async_saves:
             self._countdown.expect(meta.extra_async_saves)
+        if meta.dropped_saves:
+            self._dropped.expect(meta.dropped_saves)
         for i, child_meta in enumerate(meta.children):
             call_child(self, i, "bind_connector_metadata", child_meta)
         super().bind_connector_metadata(connector_metadata)
@@ -411,8 +450,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             return res.finished_sending or None, res.finished_recving or None
         sending: list[str] = []
         recving: set[str] = set()
-        for snd, rcv in call_children(self, "get_finished", finished_req_ids):
-            sending.extend(snd or ())
+        for i, (snd, rcv) in enumerate(call_children(self, "get_finished", finished_req_ids)):
+            sending.extend(self._dropped.filter(i, snd))
             recving.update(rcv or ())
         done = self._countdown.complete(sending)
         if done:
@@ -424,8 +463,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             out = _versions.TransferResults()
             sending: list[str] = []
-            for res in call_children(self, "get_transfer_results", finished_req_ids):
-                sending.extend(res.finished_sending)
+            for i, res in enumerate(call_children(self, "get_transfer_results", finished_req_ids)):
+                sending.extend(self._dropped.filter(i, res.finished_sending))
                 out.finished_recving.update(res.finished_recving)
                 out.failed_recving.update(res.failed_recving)
             out.finished_sending = self._countdown.complete(sending)

@@ -21,6 +21,10 @@ class KvmuxMetadata(KVConnectorMetadata):
     extra_async_saves: dict[str, int] | None = None
     """Finished requests saved asynchronously by k > 1 children: request id ->
     k - 1, the completions a worker swallows before reporting the request."""
+    dropped_saves: dict[str, tuple[int, ...]] | None = None
+    """Finished requests for which a child's failure was contained (it never
+    took part in them; see ``kvmux._containment``): request id -> those
+    children, whose completions of the request a worker drops."""
 
 
 @dataclass
