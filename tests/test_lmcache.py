@@ -8,14 +8,19 @@ LMCache MP server on loopback (``tests/lmcache_server.py``), and
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from vllm.config import KVTransferConfig
+from vllm.v1.request import RequestStatus
 
-from harness import SchedulerSim, mux_config
+from harness import SchedulerSim, mux_config, upstream_config
+from kvmux import KvmuxChildError
 from lmcache_server import time_limit
 
 PREFIX = list(range(300, 348))  # 48 tokens: 3 vLLM blocks = 3 LMCache chunks
@@ -416,3 +421,100 @@ def test_the_readme_lmcache_setup_runs_as_written(lmcache_server, model_dir):
         assert d.finished["B"]["cached_token_stats"]["num_lmcache_extra_cached_tokens"] == 48
     finally:
         d.close()
+
+
+# ----------------------------------------------------------------- aborts
+
+
+def abort(d: SchedulerSim, req_id: str) -> None:
+    d.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+
+def test_aborting_a_request_lmcache_never_saw_leaves_the_engine_serving(lmcache_server, make_sim):
+    """A client disconnects while its request, which asked for
+    ``cached_token_stats``, still waits before any lookup. LMCache's
+    ``request_finished`` fails on it (no tracker); kvmux contains that (under
+    ``python -O`` too, where the failure is a different one): no exception
+    leaves the scheduler, and the next request loads from LMCache as usual."""
+    if os.environ.get("KVMUX_EXPECT_OPTIMIZE"):
+        assert sys.flags.optimize  # run under python -O by the test below
+    d = make_sim([lmcache_server.child(), host_child()])
+    store_prefix(d)
+    forget_locally(d)
+    d.add("C", PREFIX + [5], kv_transfer_params=ASK)
+    abort(d, "C")
+    assert d.connector.mux_stats()["children"][LM]["contained_errors"] == 1
+    b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    with time_limit(60):
+        while b.num_computed_tokens < len(PREFIX):
+            d.step()
+            d.idle()
+    assert kv_is_exact(d, "B", PREFIX)
+    run(d)
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48
+    assert "C" not in d.finished_sending
+    assert d.connector.num_live_requests() == 0
+    assert d.worker.num_pending_async_saves() == 0
+    assert lm_trackers(d) == {}
+
+
+def test_the_same_abort_is_contained_under_python_O():
+    """The test above, in a fresh ``python -O`` (asserts compiled out, so
+    LMCache fails with another error; kvmux guards nothing with assert)."""
+    name = "test_aborting_a_request_lmcache_never_saw_leaves_the_engine_serving"
+    test = f"{Path(__file__).name}::{name}"
+    proc = subprocess.run(
+        [sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=Path(__file__).parent,
+        env=dict(os.environ, KVMUX_EXPECT_OPTIMIZE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 passed" in proc.stdout
+
+
+def test_vllms_multiconnector_lets_the_same_abort_crash_the_scheduler(
+    lmcache_server, model_dir, tmp_path
+):
+    """The rival, for the record: vLLM's in-tree MultiConnector over
+    [LMCacheMPConnector, ExampleConnector] lets LMCache's failure out of the
+    scheduler, which in a serving engine kills the engine core."""
+    children = [
+        lmcache_server.child(),
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")},
+        },
+    ]
+    d = SchedulerSim(upstream_config(children), model_dir=model_dir, idle_wait_s=0.02)
+    try:
+        d.add("C", PREFIX + [5], kv_transfer_params=ASK)
+        with pytest.raises((AssertionError, KeyError)):
+            abort(d, "C")
+    finally:
+        d.close()
+
+
+def test_lmcache_beside_a_child_failing_on_a_request_it_took_part_in(lmcache_server, make_sim):
+    """Contained is only what a child never saw: a child that looked the
+    request up and then fails still reaches vLLM named, and LMCache was told
+    the request finished all the same (it keeps no tracker for it)."""
+    failing = {
+        "kv_connector": "ScriptedConnector",
+        "kv_connector_module_path": "scripted",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"fail": "request_finished"},
+    }
+    d = make_sim([lmcache_server.child(), failing])
+    d.add("R", PREFIX + [5], kv_transfer_params=ASK)
+    d.step()  # looked up by both (LMCache is not ready yet)
+    assert "R" in lm_trackers(d)
+    with pytest.raises(KvmuxChildError) as err:
+        abort(d, "R")
+    assert err.value.child == "ScriptedConnector" and err.value.hook == "request_finished"
+    assert lm_trackers(d) == {}
+    assert d.connector.num_live_requests() == 0
+    assert d.connector.mux_stats()["children"][LM]["contained_errors"] == 0
