@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kvmux._fanout import call_child
+from kvmux._fanout import _plan
 from kvmux.errors import KvmuxChildError
 
 __all__ = ["DroppedSaves", "call_children_on_exit"]
@@ -52,14 +52,19 @@ def call_children_on_exit(
     and the indices of the contained children; raises the first failure of a
     child that took part, after calling all of them."""
     req_id = request.request_id
-    answers: list[Any] = []
+    # As kvmux._fanout.call_children: children whose hook only returns a
+    # constant are not called.
+    plan = _plan(mux, hook)
+    answers = list(plan.answers)
     contained: list[int] = []
     error: KvmuxChildError | None = None
-    for i in range(len(mux._children)):
+    for i, fn in plan.active:
         try:
-            answers.append(call_child(mux, i, hook, request, *args))
-        except KvmuxChildError as e:
-            answers.append(default)
+            answers[i] = fn(request, *args)
+        except Exception as cause:
+            e = KvmuxChildError(mux._names[i], hook, f"{type(cause).__name__}: {cause}")
+            e.__cause__ = cause
+            answers[i] = default
             if mux._core.took_part(req_id, i):
                 error = error or e
             else:

@@ -42,10 +42,10 @@ class LoadWatch:
         """Tell the core which loads failed, and how many tokens each lost:
         a request in ``failed_recving`` loses all of them; otherwise every
         token from the first invalid block of its load on."""
+        if not (invalid_block_ids or failed_recving) or not self._blocks:
+            return  # every step without a load error: nothing to do
         invalid = set(invalid_block_ids or ())
         failed = set(failed_recving or ())
-        if not invalid and not failed:
-            return
         for req_id, block_ids in list(self._blocks.items()):
             lost = self._lost_tokens(core, req_id, block_ids, invalid, req_id in failed)
             if lost:
