@@ -29,7 +29,7 @@ class MuxCore:
         live request whose load is planned; None when nothing loads."""
     def load_failed(self, req_id: str, failed_tokens: int) -> None:
         """Some of a request's external tokens failed to load: they no longer
-        count in ``num_extra_cached_tokens``; ``load_failures`` counts it."""
+        count in ``num_extra_cached_tokens``."""
     def finish(
         self,
         req_id: str,

@@ -6,8 +6,7 @@ contract asks: the failed blocks in ``get_block_ids_with_load_errors``
 passes both to vLLM unchanged (vLLM then recomputes or fails the request,
 by its ``kv_load_failure_policy``); on the scheduler side this module maps
 them back to the requests whose load failed, so that the tokens vLLM
-recomputes do not count in ``num_extra_cached_tokens`` and
-``load_failures`` counts the request.
+recomputes do not count in ``num_extra_cached_tokens``.
 """
 
 from __future__ import annotations
