@@ -45,18 +45,20 @@ logger = logging.getLogger("kvmux")
 
 
 def call_children_on_exit(
-    mux: Any, hook: str, request: Any, *args: Any, default: Any
-) -> tuple[list[Any], list[int]]:
+    mux: Any, hook: str, request: Any, args: tuple[Any, ...], default: Any
+) -> tuple[list[Any], list[int] | None]:
     """Call ``hook(request, *args)`` on every child, for a request on its way
     out. Returns every child's answer (``default`` for a contained failure)
-    and the indices of the contained children; raises the first failure of a
-    child that took part, after calling all of them."""
+    and the indices of the contained children (None when none was); raises
+    the first failure of a child that took part, after calling all of them."""
     req_id = request.request_id
     # As kvmux._fanout.call_children: children whose hook only returns a
     # constant are not called.
     plan = _plan(mux, hook)
     answers = list(plan.answers)
-    contained: list[int] = []
+    if not plan.active:
+        return answers, None
+    contained: list[int] | None = None
     error: KvmuxChildError | None = None
     for i, fn in plan.active:
         try:
@@ -69,7 +71,7 @@ def call_children_on_exit(
                 error = error or e
             else:
                 _contain(mux, i, hook, req_id, e)
-                contained.append(i)
+                contained = (contained or []) + [i]
     if error is not None:
         raise error
     return answers, contained

@@ -22,34 +22,35 @@ class LoadWatch:
 
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
-        self._blocks: dict[str, Sequence[int]] = {}
+        self.blocks: dict[str, Sequence[int]] = {}
+        """Request id -> its device blocks (group 0), while its load is watched."""
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self.blocks)
 
     def planned(self, req_id: str, blocks: Any) -> None:
         """A load was planned into ``blocks`` (vLLM's ``KVCacheBlocks``)."""
         groups = blocks.get_block_ids() if blocks is not None else ()
         # Block-level errors exist for single-group layouts only (vLLM
         # refuses them otherwise); multi-group failures come as failed_recving.
-        self._blocks[req_id] = list(groups[0]) if len(groups) == 1 else []
+        self.blocks[req_id] = list(groups[0]) if len(groups) == 1 else []
 
     def forget(self, req_id: str) -> None:
-        self._blocks.pop(req_id, None)
+        self.blocks.pop(req_id, None)
 
     def check(self, core: Any, invalid_block_ids: Iterable[int], failed_recving: Iterable[str]):
         """Tell the core which loads failed, and how many tokens each lost:
         a request in ``failed_recving`` loses all of them; otherwise every
         token from the first invalid block of its load on."""
-        if not (invalid_block_ids or failed_recving) or not self._blocks:
+        if not (invalid_block_ids or failed_recving) or not self.blocks:
             return  # every step without a load error: nothing to do
         invalid = set(invalid_block_ids or ())
         failed = set(failed_recving or ())
-        for req_id, block_ids in list(self._blocks.items()):
+        for req_id, block_ids in list(self.blocks.items()):
             lost = self._lost_tokens(core, req_id, block_ids, invalid, req_id in failed)
             if lost:
                 core.load_failed(req_id, lost)
-                del self._blocks[req_id]  # reported once; a retry is a new load
+                del self.blocks[req_id]  # reported once; a retry is a new load
 
     def _lost_tokens(
         self, core: Any, req_id: str, block_ids: Sequence[int], invalid: set[int], failed: bool

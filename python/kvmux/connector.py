@@ -117,6 +117,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra_saves: dict[str, int] = {}
         # Scheduler side: blocks of planned loads, to map load errors back.
         self._loads = LoadWatch(vllm_config.cache_config.block_size)
+        self._load_blocks = self._loads.blocks
         # Failures contained on requests a child never took part in (see
         # kvmux._containment): children warned about, and the children whose
         # completions of a request the workers drop (sent with the metadata).
@@ -315,11 +316,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """Each child sees its own slice of the workers' metadata. Loads the
         workers report failed (``invalid_block_ids``, ``failed_recving``) stop
         counting in ``num_extra_cached_tokens``; vLLM handles the requests."""
-        self._loads.check(
-            self._core,
-            connector_output.invalid_block_ids,
-            getattr(connector_output, "failed_recving", None),
-        )
+        if self._load_blocks:  # some load is planned: did any fail?
+            self._loads.check(
+                self._core,
+                connector_output.invalid_block_ids,
+                getattr(connector_output, "failed_recving", None),
+            )
         worker_meta = connector_output.kv_connector_worker_meta
         if worker_meta is not None and not isinstance(worker_meta, KvmuxWorkerMetadata):
             raise TypeError(
@@ -372,9 +374,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 self,
                 "register_finished_partial_tail",
                 request,
-                block_ids,
-                partial_tail_offloads,
-                default=False,
+                (block_ids, partial_tail_offloads),
+                False,
             )
         except BaseException:
             self._core.forget(request.request_id)
@@ -385,11 +386,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, hook: str, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._loads.forget(req_id)
+        if self._load_blocks:
+            self._load_blocks.pop(req_id, None)
         try:
             # A child that never took part and fails is contained; see _containment.
             results, contained = call_children_on_exit(
-                self, hook, request, block_ids, default=(False, None)
+                self, hook, request, (block_ids,), (False, None)
             )
         except BaseException:
             self._core.forget(req_id)
@@ -451,7 +453,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         sending: list[str] = []
         recving: set[str] = set()
         for i, (snd, rcv) in enumerate(call_children(self, "get_finished", finished_req_ids)):
-            sending.extend(self._dropped.filter(i, snd))
+            if snd:
+                sending.extend(self._dropped.filter(i, snd) if self._dropped else snd)
             recving.update(rcv or ())
         done = self._countdown.complete(sending)
         if done:
@@ -464,7 +467,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             out = _versions.TransferResults()
             sending: list[str] = []
             for i, res in enumerate(call_children(self, "get_transfer_results", finished_req_ids)):
-                sending.extend(self._dropped.filter(i, res.finished_sending))
+                snd = res.finished_sending
+                if snd:
+                    sending.extend(self._dropped.filter(i, snd) if self._dropped else snd)
                 out.finished_recving.update(res.finished_recving)
                 out.failed_recving.update(res.failed_recving)
             out.finished_sending = self._countdown.complete(sending)
