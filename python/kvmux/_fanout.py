@@ -207,7 +207,6 @@ FANOUT_HOOKS: dict[str, Hook] = {
     "take_events": Hook(_chain),
     "has_pending_block_frees": Hook(_any),
     "has_pending_push_work": Hook(_any),
-    "register_finished_partial_tail": Hook(_any),
     "reset_cache": Hook(_all_not_false),
 }
 
