@@ -36,7 +36,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kvmux._fanout import _plan
+from kvmux._fanout import fanout_plan
 from kvmux.errors import KvmuxChildError
 
 __all__ = ["DroppedSaves", "call_children_on_exit"]
@@ -54,7 +54,7 @@ def call_children_on_exit(
     req_id = request.request_id
     # As kvmux._fanout.call_children: children whose hook only returns a
     # constant are not called.
-    plan = _plan(mux, hook)
+    plan = fanout_plan(mux, hook)
     answers = list(plan.answers)
     if not plan.active:
         return answers, None

@@ -34,6 +34,7 @@ __all__ = [
     "call_child",
     "call_children",
     "constant_answer",
+    "fanout_plan",
     "install_fanout",
     "is_noop",
     "layer_hook",
@@ -54,7 +55,7 @@ def call_children(mux: _Mux, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
     :class:`KvmuxChildError` naming the child and the hook, chained to the
     original.
     """
-    plan = _plan(mux, hook)
+    plan = fanout_plan(mux, hook)
     out = list(plan.answers)
     if not plan.active:
         return out
@@ -69,7 +70,7 @@ def call_children(mux: _Mux, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
 def active_children(mux: _Mux, hook: str) -> tuple[int, ...]:
     """Indices of the children whose ``hook`` does something (the others only
     return a constant and need not be called)."""
-    return _plan(mux, hook).indices
+    return fanout_plan(mux, hook).indices
 
 
 def call_child(mux: _Mux, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -96,7 +97,7 @@ class _Plan:
     (None, a bool, a number); ``_UNSET`` otherwise."""
 
 
-def _plan(mux: _Mux, hook: str) -> _Plan:
+def fanout_plan(mux: _Mux, hook: str) -> _Plan:
     """How to fan ``hook`` out over ``mux``'s children, decided on first use
     and kept on the multiplexer (its children do not change)."""
     try:
@@ -215,7 +216,7 @@ def _make(name: str, hook: Hook) -> Callable[..., Any]:
     if hook.call_all:
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            plan = _plan(self, name)
+            plan = fanout_plan(self, name)
             answers, first_error = list(plan.answers), None
             for i, _ in plan.active:
                 try:
@@ -229,7 +230,7 @@ def _make(name: str, hook: Hook) -> Callable[..., Any]:
     else:
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            plan = _plan(self, name)
+            plan = fanout_plan(self, name)
             if not plan.active and plan.fixed is not _UNSET:
                 return plan.fixed  # every child answers a constant, and so do we
             return hook.combine(self, call_children(self, name, *args, **kwargs))
