@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # torch deprecation notices from inside vLLM say nothing about kvmux.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     from kvmux import engine
 
     engine.prepare_env(multiprocess=args.multiprocess)
