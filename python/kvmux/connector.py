@@ -25,7 +25,7 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -450,31 +450,33 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         if _versions.HAS_TRANSFER_RESULTS:
             res = self.get_transfer_results(finished_req_ids)
             return res.finished_sending or None, res.finished_recving or None
+        answers = call_children(self, "get_finished", finished_req_ids)
+        done = self._complete_sends(snd for snd, _ in answers)
+        recving = set().union(*(rcv or () for _, rcv in answers))
+        return done or None, recving or None
+
+    def _complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
+        """Every child's finished-sending ids of one step (in config order)
+        -> the requests finished sending now: completions of contained
+        children dropped, then the countdown of extra async saves."""
         sending: list[str] = []
-        recving: set[str] = set()
-        for i, (snd, rcv) in enumerate(call_children(self, "get_finished", finished_req_ids)):
+        for i, snd in enumerate(per_child):
             if snd:
                 sending.extend(self._dropped.filter(i, snd) if self._dropped else snd)
-            recving.update(rcv or ())
         done = self._countdown.complete(sending)
         if done:
             self._core.count_worker(len(done), 0)
-        return done or None, recving or None
+        return done
 
     if _versions.HAS_TRANSFER_RESULTS:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             out = _versions.TransferResults()
-            sending: list[str] = []
-            for i, res in enumerate(call_children(self, "get_transfer_results", finished_req_ids)):
-                snd = res.finished_sending
-                if snd:
-                    sending.extend(self._dropped.filter(i, snd) if self._dropped else snd)
+            answers = call_children(self, "get_transfer_results", finished_req_ids)
+            for res in answers:
                 out.finished_recving.update(res.finished_recving)
                 out.failed_recving.update(res.failed_recving)
-            out.finished_sending = self._countdown.complete(sending)
-            if out.finished_sending:
-                self._core.count_worker(len(out.finished_sending), 0)
+            out.finished_sending = self._complete_sends(r.finished_sending for r in answers)
             return out
 
     def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:

@@ -76,12 +76,21 @@ class HostCacheScheduler:
 
     # -------------------------------------------------------------- keys
 
-    def keys(self, request: Request) -> list[bytes]:
+    def keys(self, request: Request, start: int = 0, end: int | None = None) -> list[bytes]:
+        """The identities of the request's full blocks ``[start, end)``:
+        vLLM's block hashes (sliced, not copied whole, when a range is
+        asked), else the chained token hash computed in Rust."""
         hashes = request.block_hashes
-        if hashes:
-            return list(hashes)
-        salt = (getattr(request, "cache_salt", None) or "").encode()
-        return chain_token_hashes(list(request.all_token_ids), self.block_size, salt)
+        if not hashes:
+            salt = (getattr(request, "cache_salt", None) or "").encode()
+            hashes = chain_token_hashes(list(request.all_token_ids), self.block_size, salt)
+        if start == 0 and end is None and isinstance(hashes, list):
+            return hashes  # read-only use: the core borrows, never mutates
+        return list(hashes[start:end])
+
+    def num_keys(self, request: Request) -> int:
+        """How many full blocks have an identity (no hashing, no copy)."""
+        return len(request.block_hashes) or len(request.all_token_ids) // self.block_size
 
     # ------------------------------------------------------------ events
 
@@ -108,7 +117,7 @@ class HostCacheScheduler:
         bs = self.block_size
         start, n = st.lookup_computed // bs, num_external_tokens // bs
         block_ids = blocks.get_block_ids()[0][start : start + n]
-        slots = self.index.pin_ready(self.keys(request)[start : start + n])
+        slots = self.index.pin_ready(self.keys(request, start, start + n))
         if slots is None or len(block_ids) != n:
             self.stats.add("load_errors", len(block_ids))
             self._loads.append(LoadJob(request.request_id, (), tuple(block_ids), failed=True))
@@ -123,16 +132,18 @@ class HostCacheScheduler:
         meta = HostCacheMetadata(loads=self._loads, finished_async=self._finished_async)
         self._loads, self._finished_async = [], []
         bs = self.block_size
-        evicted_before = self.index.stats()["evicted"]
+        evicted_before = None  # read from the index only on steps that reserve
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None:
                 continue
-            keys = self.keys(st.request)
-            full = min((st.request.num_computed_tokens + n_sched) // bs, len(keys))
+            # Decode steps rarely fill a block: decide before touching any key.
+            full = min((st.request.num_computed_tokens + n_sched) // bs, self.num_keys(st.request))
             if full <= st.saved_blocks:
                 continue
-            positions, slots = self.index.reserve(keys[st.saved_blocks : full])
+            if evicted_before is None:
+                evicted_before = self.index.stats()["evicted"]
+            positions, slots = self.index.reserve(self.keys(st.request, st.saved_blocks, full))
             if slots:
                 block_ids = kv_cache_manager.get_block_ids(req_id)[0]
                 meta.saves.append(
@@ -148,7 +159,8 @@ class HostCacheScheduler:
                     self._save_acks[s] = self.num_workers
                     self._slot_owner[s] = req_id
             st.saved_blocks = full
-        self.stats.add("evicted_blocks", self.index.stats()["evicted"] - evicted_before)
+        if evicted_before is not None:
+            self.stats.add("evicted_blocks", self.index.stats()["evicted"] - evicted_before)
         return meta
 
     def worker_output(self, meta: HostCacheWorkerMetadata | None) -> None:

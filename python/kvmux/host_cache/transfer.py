@@ -180,13 +180,16 @@ class HostPool:
             torch.cuda.current_stream(self.device).wait_event(self._last_save)
             self._last_save = None
 
-    def save(self, blocks: Sequence[int], slots: Sequence[int]) -> Transfer:
-        """Copy device ``blocks`` into host ``slots`` (device -> host)."""
+    def _runs(self, blocks: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} blocks but {len(slots)} slots")
-        if not blocks:
+        return contiguous_runs(slots)
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int]) -> Transfer:
+        """Copy device ``blocks`` into host ``slots`` (device -> host)."""
+        runs = self._runs(blocks, slots)
+        if not runs:
             return Transfer(0)
-        runs = contiguous_runs(slots)
         nbytes = self.block_bytes * len(blocks)
         if not self.is_cuda:
             idx = self._idx(blocks)
@@ -225,11 +228,9 @@ class HostPool:
     def load(self, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
         """Copy host ``slots`` into device ``blocks`` (host -> device). On
         CUDA the current stream waits for the copy on the GPU."""
-        if len(blocks) != len(slots):
-            raise ValueError(f"{len(slots)} slots but {len(blocks)} blocks")
-        if not blocks:
+        runs = self._runs(blocks, slots)
+        if not runs:
             return Transfer(0)
-        runs = contiguous_runs(slots)
         nbytes = self.block_bytes * len(blocks)
         if not self.is_cuda:
             idx = self._idx(blocks)
