@@ -49,6 +49,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._lookups: defaultdict[str, int] = defaultdict(int)
         self.layers_seen: list[str] = []
         self.completed: list[str] = []  # async saves reported done, in order
+        self.finished_blocks: dict[str, Any] = {}  # request id -> block ids at finish
         self._async_finished: list[str] = []  # scheduler: saves to announce
         self._saving: set[str] = set()  # worker: saves announced, not yet done
         self._loads: list[int] = []  # scheduler: blocks to load this step
@@ -92,6 +93,7 @@ class ScriptedConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: Any) -> Any:
         self._maybe_fail("request_finished")
         self.calls.append(("finished", request.request_id))
+        self.finished_blocks.setdefault(request.request_id, block_ids)
         seen = self._lookups.pop(request.request_id, None) is not None
         if "raw_finish" in self.script:
             return self.script["raw_finish"]
@@ -180,4 +182,25 @@ class ScriptedHMAConnector(ScriptedConnector, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
         self.calls.append(("finished_all_groups", (request.request_id, len(block_ids))))
+        self.finished_blocks[request.request_id] = block_ids
         return self.request_finished(request, block_ids[0] if block_ids else [])
+
+
+#: Every MockedConnector handed out, newest last (tests read and configure them).
+MOCKS: list[Any] = []
+
+
+class MockedConnector(KVConnectorBase_V1):
+    """A child built as vLLM's own tests build them: the class hands back a
+    ``MagicMock(spec_set=KVConnectorBase_V1)`` from ``__new__``, so nothing
+    about its hooks can be read from the class. Its answers are whatever a
+    test sets on the mock (:data:`MOCKS`)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from unittest.mock import MagicMock
+
+        mock = MagicMock(spec_set=KVConnectorBase_V1)
+        mock.get_kv_connector_stats.return_value = None
+        mock.get_mem_pool_context.return_value = None
+        MOCKS.append(mock)
+        return mock

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 import kvmux
 from harness import child, mux_config, scripted, upstream_config, vllm_config
@@ -232,84 +232,6 @@ def test_first_and_last_keep_one_count_and_warn_once_per_key(h, policy, kept, ca
     assert conn.mux_stats()["clashes_resolved"] == 3
     warnings = [r for r in caplog.records if "'k'" in r.getMessage()]
     assert len(warnings) == 1
-
-
-# -------------------------------------------------------------------- HMA
-
-
-def test_kvmux_is_an_hma_connector_class():
-    assert issubclass(KvmuxConnector, SupportsHMA)
-
-
-def test_hma_on_with_non_hma_children_fails_naming_each():
-    cfg = vllm_config(
-        mux_config(
-            [
-                scripted(),
-                child("ScriptedHMAConnector", module="scripted"),
-                child("ExampleConnector", shared_storage_path="/tmp/x"),
-            ]
-        ),
-        hma=True,
-    )
-    with pytest.raises(KvmuxConfigError) as err:
-        KvmuxConnector(cfg, SCHED, _kvc())
-    msg = str(err.value)
-    assert "ScriptedConnector" in msg and "ExampleConnector" in msg
-    assert "ScriptedHMAConnector" not in msg
-    assert "--disable-hybrid-kv-cache-manager" in msg
-
-
-def test_hma_on_with_all_hma_children_starts_and_passes_every_group(h):
-    cfg = vllm_config(
-        mux_config(
-            [
-                child("ScriptedHMAConnector", module="scripted"),
-                child("ScriptedHMAConnector", module="scripted"),
-            ]
-        ),
-        hma=True,
-    )
-    conn = KvmuxConnector(cfg, SCHED, _kvc())
-    conn.request_finished_all_groups(req(h), ([1, 2], [3]))
-    assert all(c.calls[-2] == ("finished_all_groups", ("r", 2)) for c in conn.children)
-
-
-def test_hma_off_multi_group_finish_raises_instead_of_truncating(h):
-    conn = build([scripted(), child("ScriptedHMAConnector", module="scripted")])
-    with pytest.raises(KvmuxConfigError, match="2 cache groups"):
-        conn.request_finished_all_groups(req(h), ([1, 2], [3]))
-    assert all(("finished", "r") not in c.calls for c in conn.children)
-    assert conn.num_live_requests() == 0
-
-
-def test_hma_off_single_group_finish_reaches_every_child(h):
-    conn = build([scripted(params={"a": 1}), child("ScriptedHMAConnector", module="scripted")])
-    assert conn.request_finished_all_groups(req(h), ([1, 2],)) == (False, {"a": 1})
-    assert all(("finished", "r") in c.calls for c in conn.children)
-
-
-@pytest.mark.parametrize(
-    ("children", "hma_on"),
-    [
-        ([scripted(), child("ScriptedHMAConnector", module="scripted")], False),
-        ([child("ScriptedHMAConnector", module="scripted")] * 2, True),
-    ],
-)
-def test_multiconnector_name_gets_vllms_child_aware_hma_choice(monkeypatch, children, hma_on):
-    """vLLM decides HMA from the connector class before building it; under
-    the name MultiConnector it asks every child. This machine's platform never
-    supports HMA, so the test makes it claim support (as a GPU platform does)."""
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(
-        type(current_platform), "support_hybrid_kv_cache", classmethod(lambda c: True)
-    )
-    cfg = vllm_config(mux_config(children, name="MultiConnector"), hma=None)
-    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is (not hma_on)
-    conn = KVConnectorFactory.create_connector(cfg, SCHED, _kvc())
-    assert type(conn) is KvmuxConnector
-    assert kvmux.MultiConnector is KvmuxConnector
 
 
 # ------------------------------------------------------ extra cached tokens

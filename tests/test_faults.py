@@ -15,7 +15,14 @@ import pytest
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from harness import child, kv_cache_config, mux_config, scripted, vllm_config
+from harness import (
+    child,
+    hybrid_kv_cache_config,
+    kv_cache_config,
+    mux_config,
+    scripted,
+    vllm_config,
+)
 from kvmux import KvmuxChildError, KvmuxConfigError, KvmuxConnector
 
 SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
@@ -247,19 +254,27 @@ BAD_CONFIGS = [
         "HMA mismatch",
         {"connectors": [SCR, {**HOST, "kv_connector_extra_config": {"num_blocks": 8}}]},
         True,
-        ["ScriptedConnector", "KvmuxHostCache", "--disable-hybrid-kv-cache-manager"],
+        [
+            "ScriptedConnector",
+            "KvmuxHostCache",
+            "2 KV cache groups",
+            "--disable-hybrid-kv-cache-manager",
+            '"MultiConnector"',
+        ],
     ),
 ]
 
 
 def construct(extra, hma):
+    """Build kvmux; ``hma`` True: HMA on and a hybrid model (two KV cache groups)."""
     ktc = KVTransferConfig(
         kv_connector="KvmuxConnector",
         kv_connector_module_path="kvmux",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
     )
-    return KvmuxConnector(vllm_config(ktc, hma=hma), SCHED, kv_cache_config())
+    kvc = hybrid_kv_cache_config() if hma else kv_cache_config()
+    return KvmuxConnector(vllm_config(ktc, hma=hma), SCHED, kvc)
 
 
 @pytest.mark.parametrize(

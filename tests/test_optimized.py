@@ -29,16 +29,24 @@ SCRIPT = textwrap.dedent(
             return
         seen.append((exc.__name__, "did not raise"))
 
-    def make(extra, hma=False):
+    def make(extra, hma=False, kvc=h.kv_cache_config):
         from vllm.config import KVTransferConfig
         ktc = KVTransferConfig(kv_connector="KvmuxConnector", kv_connector_module_path="kvmux",
                                kv_role="kv_both", kv_connector_extra_config=extra)
-        return KvmuxConnector(h.vllm_config(ktc, hma=hma), S, h.kv_cache_config())
+        return KvmuxConnector(h.vllm_config(ktc, hma=hma), S, kvc())
 
     expect(KvmuxConfigError, lambda: make({{"connectors": []}}), "empty")
     expect(KvmuxConfigError, lambda: make({{"connectors": [h.scripted()], "x": 1}}), "'x'")
-    expect(KvmuxConfigError, lambda: make({{"connectors": [h.scripted()]}}, hma=True),
-           "ScriptedConnector", "--disable-hybrid-kv-cache-manager")
+    expect(KvmuxConfigError,
+           lambda: make({{"connectors": [h.scripted()]}}, hma=True, kvc=h.hybrid_kv_cache_config),
+           "ScriptedConnector", "2 KV cache groups", "--disable-hybrid-kv-cache-manager",
+           '"MultiConnector"')
+    # One KV cache group: HMA on runs a child without HMA support.
+    plain = make({{"connectors": [h.scripted(params={{"a": 1}})]}}, hma=True)
+    if plain.request_finished_all_groups(h.make_request("p", range(32)), ([1],)) != (
+        False, {{"a": 1}}
+    ):
+        raise SystemExit("single-group finish under -O went wrong")
     conn = make({{"connectors": [h.scripted(params={{"k": 1}}), h.scripted(params={{"k": 2}})]}})
     r = h.make_request("r", range(32))
     expect(KvmuxConfigError, lambda: conn.request_finished_all_groups(r, ([1], [2])),

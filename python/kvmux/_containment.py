@@ -33,13 +33,13 @@ completions of the request the workers drop (:class:`DroppedSaves`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvmux._fanout import fanout_plan
 from kvmux.errors import KvmuxChildError
 
-__all__ = ["DroppedSaves", "call_children_on_exit"]
+__all__ = ["DroppedSaves", "call_children_on_exit", "call_each_on_exit"]
 
 logger = logging.getLogger("kvmux")
 
@@ -51,16 +51,46 @@ def call_children_on_exit(
     out. Returns every child's answer (``default`` for a contained failure)
     and the indices of the contained children (None when none was); raises
     the first failure of a child that took part, after calling all of them."""
-    req_id = request.request_id
     # As kvmux._fanout.call_children: children whose hook only returns a
     # constant are not called.
     plan = fanout_plan(mux, hook)
     answers = list(plan.answers)
     if not plan.active:
         return answers, None
+    return _call_on_exit(
+        mux, request, ((i, hook, fn, args) for i, fn in plan.active), answers, default
+    )
+
+
+def call_each_on_exit(
+    mux: Any, routes: Sequence[tuple[str, tuple[Any, ...]]], request: Any, default: Any
+) -> tuple[list[Any], list[int] | None]:
+    """As :func:`call_children_on_exit`, with a hook and arguments of its own
+    for each child: ``routes[i]`` is ``(hook, args)`` for child ``i`` (e.g.
+    ``request_finished_all_groups`` for a child with HMA support and
+    ``request_finished`` with the one group's blocks for a child without)."""
+    answers: list[Any] = []
+    calls = []
+    for i, (hook, args) in enumerate(routes):
+        plan = fanout_plan(mux, hook)
+        answers.append(plan.answers[i])
+        fn = next((fn for j, fn in plan.active if j == i), None)
+        if fn is not None:
+            calls.append((i, hook, fn, args))
+    return _call_on_exit(mux, request, calls, answers, default)
+
+
+def _call_on_exit(
+    mux: Any,
+    request: Any,
+    calls: Iterable[tuple[int, str, Any, tuple[Any, ...]]],
+    answers: list[Any],
+    default: Any,
+) -> tuple[list[Any], list[int] | None]:
+    req_id = request.request_id
     contained: list[int] | None = None
     error: KvmuxChildError | None = None
-    for i, fn in plan.active:
+    for i, hook, fn, args in calls:
         try:
             answers[i] = fn(request, *args)
         except Exception as cause:

@@ -20,6 +20,7 @@ from kvmux.errors import KvmuxConfigError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["ChildSpec", "MuxConfig", "parse_mux_config"]
 
@@ -30,7 +31,7 @@ NAME_KEY = "name"
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
-    "pass --disable-hybrid-kv-cache-manager (VllmConfig: "
+    "either pass --disable-hybrid-kv-cache-manager (VllmConfig: "
     "scheduler_config.disable_hybrid_kv_cache_manager=True), or name the "
     'connector "MultiConnector" with kv_connector_module_path "kvmux" so vLLM '
     "turns the hybrid manager off by itself"
@@ -250,11 +251,37 @@ def _names(children: list[_RawChild], problems: list[str]) -> list[str]:
     ]
 
 
-def check_hma(cfg: MuxConfig, hma_enabled: bool) -> None:
-    """Refuse the hybrid KV cache manager when a child cannot follow it."""
+def num_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> int | None:
+    """How many KV cache groups the model has (None: not known)."""
+    if kv_cache_config is None:
+        return None
+    return len(kv_cache_config.kv_cache_groups)
+
+
+def check_hma(cfg: MuxConfig, hma_enabled: bool, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse a model whose KV a child cannot follow.
+
+    Decided from the model, not from the flag: with the hybrid KV cache
+    manager on and one KV cache group (every plain model: Llama, Qwen,
+    Mistral without interleaved sliding window) a child without HMA support
+    sees exactly what it would with the manager off, one group and one block
+    list, so every child runs. With several groups, each child that lacks HMA
+    support is named, with the group count and both fixes. The scheduler and
+    the workers are built with the same ``KVCacheConfig`` and decide alike.
+    """
     missing = cfg.non_hma_children()
-    if hma_enabled and missing:
-        raise KvmuxConfigError(
-            f"the hybrid KV cache manager (HMA) is on but child connector(s) "
-            f"{missing} do not support it; {HMA_FIX}"
-        )
+    if not hma_enabled or not missing:
+        return
+    groups = num_kv_cache_groups(kv_cache_config)
+    if groups == 1:
+        return
+    held = (
+        f"the model's KV cache has {groups} KV cache groups (a hybrid model: sliding-window, "
+        "chunked-local or state-space layers beside full attention)"
+        if groups is not None
+        else "vLLM gave kvmux no KVCacheConfig, so the number of KV cache groups is unknown"
+    )
+    raise KvmuxConfigError(
+        f"the hybrid KV cache manager (HMA) is on and {held}, but child connector(s) "
+        f"{missing} do not support HMA and can follow only one group; {HMA_FIX}"
+    )

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._containment import DroppedSaves, call_children_on_exit
+from kvmux._containment import DroppedSaves, call_children_on_exit, call_each_on_exit
 from kvmux._core import MuxCore, SaveCountdown
 from kvmux._fanout import (
     active_children,
@@ -46,7 +46,7 @@ from kvmux._fanout import (
     layer_hook,
 )
 from kvmux._load_failures import LoadWatch
-from kvmux.config import MuxConfig, check_hma, parse_mux_config
+from kvmux.config import HMA_FIX, MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
 from kvmux.stats import KvmuxStats, build_child_stats
@@ -98,7 +98,11 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = parse_mux_config(self._kv_transfer_config)
-        check_hma(cfg, not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+        check_hma(
+            cfg,
+            not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+            kv_cache_config,
+        )
         self._cfg = cfg
         self._names: tuple[str, ...] = tuple(cfg.names)
         self._children: list[KVConnectorBase_V1] = []
@@ -181,6 +185,14 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         return any(c.requires_kv_delivery for c in self._children)
 
     # ------------------------------------------------------- class methods
+
+    @classmethod
+    def all_children_support_hma(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """True only if every configured child supports the hybrid KV cache
+        manager: the answer of vLLM's ``MultiConnector.all_children_support_hma``
+        for the same config, so code that asks the class gets one. Raises
+        :class:`KvmuxConfigError` for a config kvmux cannot run."""
+        return parse_mux_config(kv_transfer_config).all_support_hma
 
     @classmethod
     def validate_transfer_config(cls, kv_transfer_config: KVTransferConfig) -> None:
@@ -344,9 +356,13 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Children that all support HMA get every group. Otherwise only a
-        single group is legal and they get ``request_finished`` with it; more
-        groups raise :class:`KvmuxConfigError` (never silently truncated)."""
+        """vLLM's finish for an HMA connector (kvmux is one), with the
+        request's blocks per KV cache group. A child with HMA support gets
+        every group (``request_finished_all_groups``); a child without gets
+        ``request_finished`` with the one group's blocks, which are all of the
+        request's blocks. Several groups with such a child raise
+        :class:`KvmuxConfigError` naming them (never silently truncated; the
+        constructor already refuses that model unless HMA is off)."""
         if self._cfg.all_support_hma:
             return self._finish(request, "request_finished_all_groups", block_ids)
         if len(block_ids) != 1:
@@ -354,11 +370,18 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvmuxConfigError(
                 f"request {request.request_id!r} holds KV in {len(block_ids)} cache "
                 f"groups but children {self._cfg.non_hma_children()} do not support "
-                "the hybrid KV cache manager, so they cannot be given all of them; "
-                "run with --disable-hybrid-kv-cache-manager or use only HMA-capable "
-                "children"
+                "the hybrid KV cache manager and can be given only one (they would "
+                f"lose the others); {HMA_FIX}, or use only HMA-capable children"
             )
-        return self._finish(request, "request_finished", block_ids[0])
+        if not any(spec.supports_hma for spec in self._cfg.children):
+            return self._finish(request, "request_finished", block_ids[0])
+        routes = [
+            ("request_finished_all_groups", (block_ids,))
+            if spec.supports_hma
+            else ("request_finished", (block_ids[0],))
+            for spec in self._cfg.children
+        ]
+        return self._finish(request, "request_finished_all_groups", block_ids, routes)
 
     def register_finished_partial_tail(
         self,
@@ -383,16 +406,23 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         return any(answers)
 
     def _finish(
-        self, request: Request, hook: str, block_ids: Any
+        self,
+        request: Request,
+        hook: str,
+        block_ids: Any,
+        routes: list[tuple[str, tuple[Any, ...]]] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if self._load_blocks:
             self._load_blocks.pop(req_id, None)
         try:
             # A child that never took part and fails is contained; see _containment.
-            results, contained = call_children_on_exit(
-                self, hook, request, (block_ids,), (False, None)
-            )
+            if routes is None:
+                results, contained = call_children_on_exit(
+                    self, hook, request, (block_ids,), (False, None)
+                )
+            else:
+                results, contained = call_each_on_exit(self, routes, request, (False, None))
         except BaseException:
             self._core.forget(req_id)
             raise

