@@ -4,8 +4,8 @@ The server is LMCache's own ``python -m lmcache.v1.multiprocess.server``,
 started as a subprocess in its own process group on a free 127.0.0.1 port,
 with usage tracking off and ``--disable-metrics`` (otherwise it binds a
 Prometheus port on all interfaces). It is stopped by its pid and process
-group, never by name. Its chunk size equals the vLLM block size of
-:mod:`kvmux.sim`, as LMCache requires.
+group, never by name. Its chunk size equals the vLLM block size (16, that of
+:mod:`kvmux.sim`, unless given), as LMCache requires.
 """
 
 from __future__ import annotations
@@ -48,14 +48,13 @@ class LMCacheServer:
     a crash would be), :meth:`stop`; :meth:`start` again restarts it on the
     same port."""
 
-    def __init__(self, log_path: Path, port: int | None = None) -> None:
+    def __init__(self, log_path: Path, port: int | None = None, chunk_size: int = 16) -> None:
         self.port = port or free_port()
+        self.chunk_size = chunk_size  # must be vLLM's block size (kvmux.sim's: 16)
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
-        from kvmux.sim import BLOCK_SIZE
-
         return [
             sys.executable,
             "-m",
@@ -65,7 +64,7 @@ class LMCacheServer:
             "--port",
             str(self.port),
             "--chunk-size",
-            str(BLOCK_SIZE),
+            str(self.chunk_size),
             "--l1-size-gb",
             "0.5",
             "--no-l1-use-lazy",

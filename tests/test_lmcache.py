@@ -7,7 +7,6 @@ LMCache MP server on loopback (``tests/lmcache_server.py``), and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
 from harness import SchedulerSim, mux_config, upstream_config
@@ -394,32 +392,6 @@ def test_the_readme_server_command_is_the_one_the_tests_run(lmcache_server):
     ours = lmcache_server.command()[1:]
     ours[ours.index("--port") + 1] = "5555"
     assert words == ours
-
-
-def test_the_readme_lmcache_setup_runs_as_written(lmcache_server, model_dir):
-    """The README's --kv-transfer-config, with only the server's port (and a
-    smaller host tier) substituted, stores and loads through LMCache."""
-    section = readme_lmcache_section()
-    cfg = json.loads(re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.S).group(1))
-    children = cfg["kv_connector_extra_config"]["connectors"]
-    for c in children:
-        extra = c.get("kv_connector_extra_config", {})
-        if "lmcache.mp.port" in extra:
-            extra["lmcache.mp.port"] = lmcache_server.port
-        if "capacity_gib" in extra:
-            extra["capacity_gib"] = 0.01
-    d = SchedulerSim(KVTransferConfig(**cfg), model_dir=model_dir, idle_wait_s=0.02, hma=None)
-    try:
-        assert type(d.connector).__name__ == "KvmuxConnector"
-        assert d.connector.child_names == [HOST, LM]
-        store_prefix(d)
-        forget_locally(d)
-        d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
-        run(d)
-        assert d.finished["B"]["num_extra_cached_tokens"] == 48
-        assert d.finished["B"]["cached_token_stats"]["num_lmcache_extra_cached_tokens"] == 48
-    finally:
-        d.close()
 
 
 # ----------------------------------------------------------------- aborts

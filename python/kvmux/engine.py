@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCK_SIZE",
     "PassResult",
+    "demo_config",
     "Workload",
     "host_tier_config",
     "make_llm",
     "prepare_env",
+    "reset_prefix_cache",
     "run_pass",
 ]
 
@@ -46,10 +48,11 @@ def prepare_env(*, multiprocess: bool = False) -> None:
 
 
 def host_tier_config(
-    second_child: dict[str, Any], host_blocks: int = 1024, **mux_options: Any
+    second_child: dict[str, Any], capacity_gib: float = 0.05, **mux_options: Any
 ) -> dict[str, Any]:
     """A ``kv_transfer_config`` dict: ``KvmuxConnector`` over ``KvmuxHostCache``
-    (first, so it loads what it has) and ``second_child``."""
+    (first, so it loads what it has) and ``second_child``: the shape of the
+    README's examples, ``capacity_gib`` being the host tier's size."""
     return {
         "kv_connector": "KvmuxConnector",
         "kv_connector_module_path": "kvmux",
@@ -60,7 +63,7 @@ def host_tier_config(
                     "kv_connector": "KvmuxHostCache",
                     "kv_connector_module_path": "kvmux",
                     "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"num_blocks": host_blocks},
+                    "kv_connector_extra_config": {"capacity_gib": capacity_gib},
                 },
                 second_child,
             ],
@@ -69,11 +72,26 @@ def host_tier_config(
     }
 
 
-def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None) -> LLM:
+def demo_config(storage: str, capacity_gib: float = 0.05) -> dict[str, Any]:
+    """The demo's configuration: the README's "no-service" example (the host
+    tier and vLLM's ExampleConnector storing KV under ``storage``)."""
+    return host_tier_config(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": storage},
+        },
+        capacity_gib,
+    )
+
+
+def make_llm(
+    model_dir: str, kv_transfer_config: dict[str, Any] | None, block_size: int = BLOCK_SIZE
+) -> LLM:
     """A CPU engine for the tiny model (float32, eager, 32-token blocks, prefix
-    caching on), with ``kv_transfer_config`` or no connector at all. The
-    hybrid KV cache manager is off (``KvmuxHostCache`` does not support it;
-    the tiny model has one KV cache group anyway)."""
+    caching on), with ``kv_transfer_config`` or no connector at all, and
+    vLLM's defaults for everything else (the hybrid KV cache manager among
+    them: on for ``KvmuxConnector``, which supports it)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -83,12 +101,26 @@ def make_llm(model_dir: str, kv_transfer_config: dict[str, Any] | None) -> LLM:
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         enable_prefix_caching=True,
-        disable_hybrid_kv_cache_manager=True,
         kv_transfer_config=ktc,
         seed=0,
     )
+
+
+def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> bool:
+    """``llm.reset_prefix_cache()`` once vLLM can: a connector that saves
+    asynchronously (LMCache) keeps a finished request's blocks until its save
+    completes, and vLLM refuses to reset while blocks are held. The engine is
+    stepped (in-process) or given time (multi-process) until then."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            llm.llm_engine.step()  # finishes the pending saves
+        time.sleep(0.01)
+    return True
 
 
 @dataclass(frozen=True)

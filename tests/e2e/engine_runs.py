@@ -34,7 +34,8 @@ class Runs:
     """A third kvmux pass whose requests ask for nothing."""
 
 
-def _close(llm: LLM) -> None:
+def close_llm(llm: LLM) -> None:
+    """Shut the engine down and free what it held, so the next can start."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     llm.llm_engine.engine_core.shutdown()
@@ -61,4 +62,4 @@ def two_passes(
             third = engine.run_pass(llm, prompts, WORKLOAD.max_tokens)
         return first, second, third
     finally:
-        _close(llm)
+        close_llm(llm)

