@@ -104,6 +104,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_config,
         )
         self._cfg = cfg
+        # How request_finished_all_groups reaches the children (decided once).
+        self._all_hma = cfg.all_support_hma
+        self._any_hma = any(spec.supports_hma for spec in cfg.children)
         self._names: tuple[str, ...] = tuple(cfg.names)
         self._children: list[KVConnectorBase_V1] = []
         try:
@@ -363,7 +366,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         request's blocks. Several groups with such a child raise
         :class:`KvmuxConfigError` naming them (never silently truncated; the
         constructor already refuses that model unless HMA is off)."""
-        if self._cfg.all_support_hma:
+        if self._all_hma:
             return self._finish(request, "request_finished_all_groups", block_ids)
         if len(block_ids) != 1:
             self._core.forget(request.request_id)
@@ -373,7 +376,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
                 "the hybrid KV cache manager and can be given only one (they would "
                 f"lose the others); {HMA_FIX}, or use only HMA-capable children"
             )
-        if not any(spec.supports_hma for spec in self._cfg.children):
+        if not self._any_hma:
             return self._finish(request, "request_finished", block_ids[0])
         routes = [
             ("request_finished_all_groups", (block_ids,))
