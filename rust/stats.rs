@@ -119,9 +119,14 @@ impl Counters {
     }
 
     /// What changed since the previous call (the first call: since start).
+    ///
+    /// The snapshot is read under the lock: read before it, a caller could
+    /// find a newer snapshot already taken by a concurrent caller and
+    /// subtract a larger number from a smaller one. Counters only grow, so
+    /// a snapshot read after the previous one was stored is never below it.
     pub fn take_interval(&self) -> Snapshot {
-        let now = self.snapshot();
         let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.snapshot();
         let delta = Snapshot {
             totals: std::array::from_fn(|i| now.totals[i] - taken.totals[i]),
             children: now
@@ -177,5 +182,51 @@ mod tests {
         }
         seen += c.take_interval().children[0][0];
         assert_eq!(seen, 40_000);
+    }
+
+    #[test]
+    fn concurrent_takers_never_underflow_and_share_every_count() {
+        // Two threads taking intervals while two add: each count is seen by
+        // exactly one taker, and no delta wraps around (a wrapped delta would
+        // overflow here, in a debug build, or be near u64::MAX).
+        let c = Arc::new(Counters::new(1));
+        let adders: Vec<_> = (0..2)
+            .map(|_| {
+                let c = Arc::clone(&c);
+                std::thread::spawn(move || {
+                    for _ in 0..40_000 {
+                        c.child(0, Child::Lookups, 1);
+                        c.total(Total::Finished, 1);
+                    }
+                })
+            })
+            .collect();
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let c = Arc::clone(&c);
+                std::thread::spawn(move || {
+                    let (mut child, mut total) = (0u64, 0u64);
+                    for _ in 0..100_000 {
+                        let d = c.take_interval();
+                        assert!(d.children[0][0] <= 80_000 && d.totals[0] <= 80_000);
+                        child += d.children[0][0];
+                        total += d.totals[0];
+                    }
+                    (child, total)
+                })
+            })
+            .collect();
+        for a in adders {
+            a.join().unwrap();
+        }
+        let (mut child, mut total) = (0, 0);
+        for t in takers {
+            let (a, b) = t.join().unwrap();
+            child += a;
+            total += b;
+        }
+        let last = c.take_interval();
+        assert_eq!(child + last.children[0][0], 80_000);
+        assert_eq!(total + last.totals[0], 80_000);
     }
 }
