@@ -237,6 +237,11 @@ def _values(counters: Mapping[str, Any], key: str, label: str | None) -> list[tu
     return [(None, counters.get(key))]
 
 
+#: The Prometheus counters kvmux registered in this process, by (class, name,
+#: label names), so that registering again reuses them.
+_COUNTERS: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
+
+
 class KvmuxPromMetrics(KVConnectorPromMetrics):
     """``kvmux_*`` counters (a ``connector`` label per child, or a ``policy``
     label), plus each child's own metrics, forwarded."""
@@ -258,16 +263,14 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         }
 
     def _counter(self, name: str, doc: str, labelnames: list[str]) -> Any:
-        try:
-            return self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-        except ValueError:
-            # Registered already by an earlier engine in this process: reuse it.
-            from prometheus_client import REGISTRY
-
-            existing = REGISTRY._names_to_collectors.get(f"{name}_total")
-            if existing is None:
-                raise
-            return existing
+        # A counter registers its name once per process: a later engine in
+        # the same process (or a second build) reuses the one kvmux made.
+        key = (self._counter_cls, name, tuple(labelnames))
+        counter = _COUNTERS.get(key)
+        if counter is None:
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            _COUNTERS[key] = counter
+        return counter
 
     @classmethod
     def build(
