@@ -13,7 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use pyo3::types::PyBytes;
 
-use crate::block_index::{chain_token_hashes, BlockIndex};
+use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
 use crate::merge::{self, ClashPolicy, MergeError, ValueEq};
 use crate::requests::{ChildMatch, LoadPolicy, RequestTable, MAX_CHILDREN};
 use crate::saves::SaveCountdown;
@@ -555,20 +555,67 @@ impl PyHostIndex {
         // in a way later calls depend on more than `check()` reports.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// The index locked, with `group` checked against its groups.
+    fn lock_group(&self, group: usize) -> PyResult<MutexGuard<'_, BlockIndex>> {
+        let ix = self.lock();
+        if group >= ix.num_groups() {
+            return Err(PyValueError::new_err(format!(
+                "group {group} out of range: the index has {} group(s)",
+                ix.num_groups()
+            )));
+        }
+        Ok(ix)
+    }
+}
+
+/// The answer of `HostIndex.servable_prefix`, in blocks.
+#[pyclass(frozen, get_all, name = "ServablePrefix", module = "kvmux._core")]
+pub struct PyServablePrefix {
+    /// The longest prefix every group can serve (`start` when none).
+    blocks: usize,
+    /// Where the full-attention groups' run of ready blocks ends.
+    prefix_blocks: usize,
+}
+
+impl From<ServablePrefix> for PyServablePrefix {
+    fn from(p: ServablePrefix) -> Self {
+        Self {
+            blocks: p.blocks,
+            prefix_blocks: p.prefix_blocks,
+        }
+    }
+}
+
+#[pymethods]
+impl PyServablePrefix {
+    fn __repr__(&self) -> String {
+        format!(
+            "ServablePrefix(blocks={}, prefix_blocks={})",
+            self.blocks, self.prefix_blocks
+        )
+    }
 }
 
 #[pymethods]
 impl PyHostIndex {
     #[new]
-    fn new(capacity: usize) -> PyResult<Self> {
+    #[pyo3(signature = (capacity, groups = 1))]
+    fn new(capacity: usize, groups: usize) -> PyResult<Self> {
         if capacity == 0 || capacity >= u32::MAX as usize {
             return Err(PyValueError::new_err(format!(
                 "host index capacity must be 1 to {} blocks, got {capacity}",
                 u32::MAX - 1
             )));
         }
+        if groups == 0 || groups >= u32::MAX as usize {
+            return Err(PyValueError::new_err(format!(
+                "host index groups must be 1 to {}, got {groups}",
+                u32::MAX - 1
+            )));
+        }
         Ok(Self {
-            inner: Mutex::new(BlockIndex::new(capacity)),
+            inner: Mutex::new(BlockIndex::with_groups(capacity, groups)),
         })
     }
 
@@ -577,20 +624,58 @@ impl PyHostIndex {
         self.lock().capacity()
     }
 
-    /// Number of leading blocks of `keys` ready to load.
-    fn longest_prefix(&self, keys: &Bound<'_, PyList>) -> PyResult<usize> {
-        with_keys(keys, |k| self.lock().longest_prefix(k))
+    #[getter]
+    fn groups(&self) -> usize {
+        self.lock().num_groups()
     }
 
-    /// Pin the slots of `keys` for a load (all must be ready, else None).
-    fn pin_ready(&self, keys: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
-        with_keys(keys, |k| self.lock().pin_ready(k))
+    /// Number of leading blocks of `keys` whose `group` blocks are ready.
+    #[pyo3(signature = (keys, group = 0))]
+    fn longest_prefix(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<usize> {
+        let ix = self.lock_group(group)?;
+        with_keys(keys, |k| ix.longest_prefix_in(group, k))
     }
 
-    /// Reserve slots for the uncached blocks of `keys`:
+    /// The longest prefix of `keys[:end]` every group can resume from, the
+    /// first `start` blocks being on the device already; `windows[g]` is
+    /// None for a full-attention group, the blocks it reads before the
+    /// resume point for a windowed one.
+    fn servable_prefix(
+        &self,
+        keys: &Bound<'_, PyList>,
+        start: usize,
+        end: usize,
+        windows: Vec<Option<usize>>,
+    ) -> PyResult<PyServablePrefix> {
+        let ix = self.lock();
+        if windows.len() != ix.num_groups() {
+            return Err(PyValueError::new_err(format!(
+                "servable_prefix needs one window per group ({}), got {}",
+                ix.num_groups(),
+                windows.len()
+            )));
+        }
+        let reach: Vec<Reach> = windows
+            .iter()
+            .map(|w| w.map_or(Reach::Prefix, Reach::Window))
+            .collect();
+        with_keys(keys, |k| ix.servable_prefix(k, start, end, &reach).into())
+    }
+
+    /// Pin the slots of `group`'s blocks of `keys` for a load (all must be
+    /// ready, else None).
+    #[pyo3(signature = (keys, group = 0))]
+    fn pin_ready(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<Option<Vec<u32>>> {
+        let mut ix = self.lock_group(group)?;
+        with_keys(keys, |k| ix.pin_ready_in(group, k))
+    }
+
+    /// Reserve slots for `group`'s uncached blocks of `keys`:
     /// `(positions in keys, slots)`.
-    fn reserve(&self, keys: &Bound<'_, PyList>) -> PyResult<(Vec<usize>, Vec<u32>)> {
-        with_keys(keys, |k| self.lock().reserve(k).into_iter().unzip())
+    #[pyo3(signature = (keys, group = 0))]
+    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<(Vec<usize>, Vec<u32>)> {
+        let mut ix = self.lock_group(group)?;
+        with_keys(keys, |k| ix.reserve_in(group, k).into_iter().unzip())
     }
 
     fn commit(&self, slots: Vec<u32>) -> usize {
@@ -635,6 +720,25 @@ impl PyHostIndex {
         d.set_item("aborted", c.aborted)?;
         Ok(d)
     }
+
+    /// Per group: its `writing` and `ready` slots and its lifetime
+    /// `stored`, `evicted` and `aborted` blocks.
+    fn group_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let ix = self.lock();
+        (0..ix.num_groups())
+            .map(|g| {
+                let (writing, ready) = ix.group_occupancy(g);
+                let c = ix.group_counters(g);
+                let d = PyDict::new(py);
+                d.set_item("writing", writing)?;
+                d.set_item("ready", ready)?;
+                d.set_item("stored", c.stored)?;
+                d.set_item("evicted", c.evicted)?;
+                d.set_item("aborted", c.aborted)?;
+                Ok(d)
+            })
+            .collect()
+    }
 }
 
 /// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).
@@ -656,6 +760,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MuxCore>()?;
     m.add_class::<PySaveCountdown>()?;
     m.add_class::<PyHostIndex>()?;
+    m.add_class::<PyServablePrefix>()?;
     m.add_function(wrap_pyfunction!(py_chain_token_hashes, m)?)?;
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;

@@ -11,6 +11,15 @@
 //!
 //! One `BlockIndex` is one global LRU order, so it is not sharded; callers
 //! hold it behind one lock and make one call per request or per step.
+//!
+//! Groups: a hybrid model's KV cache has several groups (vLLM's KV cache
+//! groups: full attention, sliding window), whose blocks share one token
+//! identity (the block hash) but hold different layers. Each group has its
+//! own key map, so the same hash is a different block in each group; the
+//! slots, the LRU order and the capacity are shared, as vLLM's own block
+//! pool is shared by the groups (a device block belongs to one group at a
+//! time). `servable_prefix` answers the hybrid lookup: the longest prefix
+//! every group can resume from.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -32,6 +41,8 @@ pub enum SlotState {
 #[derive(Debug)]
 struct Slot {
     key: Option<Box<[u8]>>,
+    /// The group whose map holds `key` (meaningless while free).
+    group: u32,
     state: SlotState,
     pins: u32,
     prev: u32,
@@ -46,36 +57,74 @@ pub struct IndexCounters {
     pub aborted: u64,
 }
 
+/// How much of a prefix a group needs to resume a request at a block
+/// boundary `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// Full attention: every block before `k`.
+    Prefix,
+    /// Sliding window (or chunked local attention, served as its window):
+    /// only the last `n` blocks before `k`.
+    Window(usize),
+}
+
+/// The answer of [`BlockIndex::servable_prefix`], in blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServablePrefix {
+    /// The longest prefix every group can serve (`start` when none).
+    pub blocks: usize,
+    /// Where the prefix groups' (full attention) run of ready blocks ends: a
+    /// resume point the tier would serve if the windowed groups had the
+    /// window before it (`blocks` when every group is windowed).
+    pub prefix_blocks: usize,
+}
+
 #[derive(Debug)]
 pub struct BlockIndex {
     slots: Vec<Slot>,
-    map: KeyMap,
+    /// One key map per group.
+    maps: Vec<KeyMap>,
     free: BTreeSet<u32>,
     /// Least recently used end of the list of unpinned ready slots.
     head: u32,
     /// Most recently used end.
     tail: u32,
     counters: IndexCounters,
+    group_counters: Vec<IndexCounters>,
 }
 
 impl BlockIndex {
+    /// An index of one group (a model with one KV cache group).
     pub fn new(capacity: usize) -> Self {
+        Self::with_groups(capacity, 1)
+    }
+
+    /// An index whose `capacity` slots are shared by `groups` key spaces.
+    pub fn with_groups(capacity: usize, groups: usize) -> Self {
         assert!(capacity < NIL as usize, "capacity must fit in u32");
+        assert!(
+            (1..NIL as usize).contains(&groups),
+            "groups must be 1 to u32::MAX - 1"
+        );
         Self {
             slots: (0..capacity)
                 .map(|_| Slot {
                     key: None,
+                    group: 0,
                     state: SlotState::Free,
                     pins: 0,
                     prev: NIL,
                     next: NIL,
                 })
                 .collect(),
-            map: KeyMap::with_capacity_and_hasher(capacity, Xxh3DefaultBuilder::new()),
+            maps: (0..groups)
+                .map(|_| KeyMap::with_capacity_and_hasher(capacity, Xxh3DefaultBuilder::new()))
+                .collect(),
             free: (0..capacity as u32).collect(),
             head: NIL,
             tail: NIL,
             counters: IndexCounters::default(),
+            group_counters: vec![IndexCounters::default(); groups],
         }
     }
 
@@ -83,23 +132,102 @@ impl BlockIndex {
         self.slots.len()
     }
 
-    /// Number of leading `keys` whose blocks are ready to load.
-    pub fn longest_prefix<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        keys.iter()
-            .take_while(|k| {
-                self.map
-                    .get(k.as_ref())
-                    .is_some_and(|&s| self.slots[s as usize].state == SlotState::Ready)
-            })
-            .count()
+    pub fn num_groups(&self) -> usize {
+        self.maps.len()
     }
 
-    /// Pin the slots of `keys` for a load. All must be ready; otherwise
-    /// nothing is pinned and `None` is returned.
+    fn is_ready<K: AsRef<[u8]>>(&self, group: usize, key: &K) -> bool {
+        self.maps[group]
+            .get(key.as_ref())
+            .is_some_and(|&s| self.slots[s as usize].state == SlotState::Ready)
+    }
+
+    /// Number of leading `keys` whose blocks are ready to load (group 0).
+    pub fn longest_prefix<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.longest_prefix_in(0, keys)
+    }
+
+    /// Number of leading `keys` whose blocks of `group` are ready to load.
+    pub fn longest_prefix_in<K: AsRef<[u8]>>(&self, group: usize, keys: &[K]) -> usize {
+        keys.iter().take_while(|k| self.is_ready(group, k)).count()
+    }
+
+    /// The longest prefix of `keys[..end]` every group can resume from,
+    /// given that the first `start` blocks are already on the device (vLLM's
+    /// own prefix-cache hit): a resume point `k` (`start < k <= end`) is
+    /// servable when each [`Reach::Prefix`] group has `keys[start..k]` ready
+    /// and each [`Reach::Window`]`(n)` group has `keys[max(start, k - n)..k]`
+    /// ready. `reach` has one entry per group. The longest such `k` wins;
+    /// `start` when there is none.
+    pub fn servable_prefix<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        start: usize,
+        end: usize,
+        reach: &[Reach],
+    ) -> ServablePrefix {
+        assert_eq!(reach.len(), self.maps.len(), "one reach per group");
+        let end = end.min(keys.len());
+        if end <= start {
+            return ServablePrefix {
+                blocks: start,
+                prefix_blocks: start,
+            };
+        }
+        let mut top = end;
+        for (g, r) in reach.iter().enumerate() {
+            if *r == Reach::Prefix {
+                top = top.min(start + self.longest_prefix_in(g, &keys[start..top]));
+            }
+        }
+        let windows: Vec<(usize, usize)> = reach
+            .iter()
+            .enumerate()
+            .filter_map(|(g, r)| match r {
+                Reach::Window(n) => Some((g, *n)),
+                Reach::Prefix => None,
+            })
+            .collect();
+        // Ready-run lengths ending at each position, per windowed group.
+        let runs: Vec<(usize, Vec<usize>)> = windows
+            .iter()
+            .map(|&(g, n)| {
+                let mut run = 0;
+                let v = keys[start..top]
+                    .iter()
+                    .map(|k| {
+                        run = if self.is_ready(g, k) { run + 1 } else { 0 };
+                        run
+                    })
+                    .collect();
+                (n, v)
+            })
+            .collect();
+        let blocks = (start + 1..=top)
+            .rev()
+            .find(|&k| {
+                runs.iter()
+                    .all(|(n, run)| run[k - 1 - start] >= (*n).min(k - start))
+            })
+            .unwrap_or(start);
+        ServablePrefix {
+            blocks,
+            prefix_blocks: top,
+        }
+    }
+
+    /// Pin the slots of `keys` for a load (group 0). All must be ready;
+    /// otherwise nothing is pinned and `None` is returned.
     pub fn pin_ready<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Option<Vec<u32>> {
+        self.pin_ready_in(0, keys)
+    }
+
+    /// Pin the slots of `group`'s blocks of `keys` for a load. All must be
+    /// ready; otherwise nothing is pinned and `None` is returned.
+    pub fn pin_ready_in<K: AsRef<[u8]>>(&mut self, group: usize, keys: &[K]) -> Option<Vec<u32>> {
         let mut slots = Vec::with_capacity(keys.len());
         for k in keys {
-            let &s = self.map.get(k.as_ref())?;
+            let &s = self.maps[group].get(k.as_ref())?;
             if self.slots[s as usize].state != SlotState::Ready {
                 return None;
             }
@@ -111,29 +239,36 @@ impl BlockIndex {
         Some(slots)
     }
 
-    /// Reserve slots to save the blocks of `keys` that are not cached yet.
-    /// Returns `(position in keys, slot)` for each reserved block, in order;
-    /// reserved slots are `Writing` and pinned until `commit` or `abort`.
-    /// Cached keys are marked recently used. Stops early when every other
-    /// slot is pinned (the pool is full of in-flight work).
+    /// Reserve slots to save the blocks of `keys` that are not cached yet
+    /// (group 0); see [`BlockIndex::reserve_in`].
     pub fn reserve<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Vec<(usize, u32)> {
+        self.reserve_in(0, keys)
+    }
+
+    /// Reserve slots to save `group`'s blocks of `keys` that are not cached
+    /// yet. Returns `(position in keys, slot)` for each reserved block, in
+    /// order; reserved slots are `Writing` and pinned until `commit` or
+    /// `abort`. Cached keys are marked recently used. Stops early when every
+    /// other slot is pinned (the pool is full of in-flight work).
+    pub fn reserve_in<K: AsRef<[u8]>>(&mut self, group: usize, keys: &[K]) -> Vec<(usize, u32)> {
         for k in keys {
-            if let Some(&s) = self.map.get(k.as_ref()) {
+            if let Some(&s) = self.maps[group].get(k.as_ref()) {
                 self.touch(s);
             }
         }
         let mut out = Vec::new();
         for (pos, k) in keys.iter().enumerate() {
-            if self.map.contains_key(k.as_ref()) {
+            if self.maps[group].contains_key(k.as_ref()) {
                 continue;
             }
             let Some(s) = self.take_slot() else { break };
             let key: Box<[u8]> = k.as_ref().into();
             let slot = &mut self.slots[s as usize];
             slot.key = Some(key.clone());
+            slot.group = group as u32;
             slot.state = SlotState::Writing;
             slot.pins = 1;
-            self.map.insert(key, s);
+            self.maps[group].insert(key, s);
             out.push((pos, s));
         }
         out
@@ -147,6 +282,7 @@ impl BlockIndex {
             if self.state(s) == Some(SlotState::Writing) {
                 self.slots[s as usize].state = SlotState::Ready;
                 self.counters.stored += 1;
+                self.group_counters[self.slots[s as usize].group as usize].stored += 1;
                 self.unpin_one(s);
                 n += 1;
             }
@@ -160,6 +296,7 @@ impl BlockIndex {
         for &s in slots {
             if self.state(s) == Some(SlotState::Writing) {
                 self.counters.aborted += 1;
+                self.group_counters[self.slots[s as usize].group as usize].aborted += 1;
                 self.release(s);
                 n += 1;
             }
@@ -198,6 +335,27 @@ impl BlockIndex {
 
     pub fn counters(&self) -> IndexCounters {
         self.counters
+    }
+
+    /// Lifetime counters of one group's blocks.
+    pub fn group_counters(&self, group: usize) -> IndexCounters {
+        self.group_counters[group]
+    }
+
+    /// (writing, ready) slots holding `group`'s blocks.
+    pub fn group_occupancy(&self, group: usize) -> (usize, usize) {
+        let mut c = (0, 0);
+        for s in &self.slots {
+            if s.group as usize != group {
+                continue;
+            }
+            match s.state {
+                SlotState::Writing => c.0 += 1,
+                SlotState::Ready => c.1 += 1,
+                SlotState::Free => {}
+            }
+        }
+        c
     }
 
     /// (free, writing, ready, pinned) slot counts.
@@ -252,14 +410,19 @@ impl BlockIndex {
                 }
                 SlotState::Writing | SlotState::Ready => {
                     let key = s.key.as_ref().ok_or(format!("slot {i}: no key"))?;
-                    if self.map.get(key) != Some(&(i as u32)) || free {
+                    let map = self
+                        .maps
+                        .get(s.group as usize)
+                        .ok_or(format!("slot {i}: group {} out of range", s.group))?;
+                    if map.get(key) != Some(&(i as u32)) || free {
                         return Err(format!("slot {i}: map or free list disagrees"));
                     }
                 }
                 SlotState::Free => {}
             }
         }
-        if self.map.len() + self.free.len() != self.slots.len() {
+        let mapped: usize = self.maps.iter().map(|m| m.len()).sum();
+        if mapped + self.free.len() != self.slots.len() {
             return Err("map + free != capacity".into());
         }
         Ok(())
@@ -274,6 +437,7 @@ impl BlockIndex {
             return None;
         }
         self.counters.evicted += 1;
+        self.group_counters[self.slots[victim as usize].group as usize].evicted += 1;
         self.release(victim);
         self.free.pop_first()
     }
@@ -283,7 +447,7 @@ impl BlockIndex {
         self.unlink(s);
         let slot = &mut self.slots[s as usize];
         if let Some(key) = slot.key.take() {
-            self.map.remove(&key);
+            self.maps[slot.group as usize].remove(&key);
         }
         slot.state = SlotState::Free;
         slot.pins = 0;
@@ -472,13 +636,89 @@ mod tests {
         assert_ne!(chain_token_hashes(&[1, 2], 2, b"salt")[0], a[0]);
     }
 
+    #[test]
+    fn the_same_hash_is_a_different_block_in_each_group() {
+        let mut ix = BlockIndex::with_groups(8, 2);
+        let ks = keys(0..3);
+        let s0: Vec<u32> = ix.reserve_in(0, &ks).into_iter().map(|(_, s)| s).collect();
+        ix.commit(&s0);
+        assert_eq!(ix.longest_prefix_in(0, &ks), 3);
+        assert_eq!(ix.longest_prefix_in(1, &ks), 0);
+        let s1: Vec<u32> = ix
+            .reserve_in(1, &ks[1..])
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(s1, [3, 4]); // its own slots, from the shared pool
+        ix.commit(&s1);
+        assert_eq!(ix.pin_ready_in(1, &ks), None); // key 0 is not in group 1
+        assert_eq!(ix.pin_ready_in(1, &ks[1..]), Some(vec![3, 4]));
+        assert_eq!(ix.group_occupancy(0), (0, 3));
+        assert_eq!(ix.group_occupancy(1), (0, 2));
+        assert_eq!(ix.group_counters(1).stored, 2);
+        assert_eq!(ix.counters().stored, 5);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn eviction_is_one_lru_order_across_groups() {
+        let mut ix = BlockIndex::with_groups(2, 2);
+        save(&mut ix, &keys(0..1));
+        let s = ix.reserve_in(1, &keys(0..1));
+        ix.commit(&[s[0].1]);
+        let s = ix.reserve_in(1, &keys(1..2)); // evicts group 0's block, the older
+        ix.commit(&[s[0].1]);
+        assert_eq!(ix.longest_prefix_in(0, &keys(0..1)), 0);
+        assert_eq!(ix.longest_prefix_in(1, &keys(0..2)), 2);
+        assert_eq!(ix.group_counters(0).evicted, 1);
+        ix.check().unwrap();
+    }
+
+    fn ready(ix: &mut BlockIndex, group: usize, ks: &[Vec<u8>]) {
+        let s: Vec<u32> = ix
+            .reserve_in(group, ks)
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        ix.commit(&s);
+    }
+
+    #[test]
+    fn a_window_group_needs_only_the_blocks_before_the_resume_point() {
+        // Group 0 full attention, group 1 a window of 2 blocks.
+        let mut ix = BlockIndex::with_groups(32, 2);
+        let ks = keys(0..8);
+        let reach = [Reach::Prefix, Reach::Window(2)];
+        ready(&mut ix, 0, &ks[..6]);
+        ready(&mut ix, 1, &ks[2..4]); // the window before 4
+        let hit = ix.servable_prefix(&ks, 0, 8, &reach);
+        assert_eq!(
+            hit,
+            ServablePrefix {
+                blocks: 4,
+                prefix_blocks: 6
+            }
+        );
+        ready(&mut ix, 1, &ks[4..6]); // and the window before 6
+        assert_eq!(ix.servable_prefix(&ks, 0, 8, &reach).blocks, 6);
+        assert_eq!(ix.servable_prefix(&ks, 0, 5, &reach).blocks, 5);
+        // Blocks already on the device count as present.
+        assert_eq!(ix.servable_prefix(&ks, 3, 8, &reach).blocks, 6);
+        // Near the start the window is shorter than n.
+        let mut ix = BlockIndex::with_groups(32, 2);
+        ready(&mut ix, 0, &ks[..3]);
+        ready(&mut ix, 1, &ks[..1]);
+        assert_eq!(ix.servable_prefix(&ks, 0, 8, &reach).blocks, 1);
+        assert_eq!(ix.servable_prefix(&ks, 5, 8, &reach).blocks, 5); // nothing new
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
-        Save(Vec<u8>),
-        Reserve(Vec<u8>),
+        Save(usize, Vec<u8>),
+        Reserve(usize, Vec<u8>),
         CommitOldest,
         AbortOldest,
-        PinPrefix(u8),
+        PinPrefix(usize, u8),
         UnpinOldest,
         Clear,
     }
@@ -486,14 +726,37 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         let ks = proptest::collection::vec(0u8..24, 1..6);
         prop_oneof![
-            4 => ks.clone().prop_map(Op::Save),
-            2 => ks.prop_map(Op::Reserve),
+            4 => (0usize..2, ks.clone()).prop_map(|(g, k)| Op::Save(g, k)),
+            2 => (0usize..2, ks).prop_map(|(g, k)| Op::Reserve(g, k)),
             2 => Just(Op::CommitOldest),
             1 => Just(Op::AbortOldest),
-            2 => (1u8..5).prop_map(Op::PinPrefix),
+            2 => (0usize..2, 1u8..5).prop_map(|(g, n)| Op::PinPrefix(g, n)),
             2 => Just(Op::UnpinOldest),
             1 => Just(Op::Clear),
         ]
+    }
+
+    /// `servable_prefix` by its definition, resume point by resume point.
+    fn servable_by_definition(
+        ix: &BlockIndex,
+        ks: &[Vec<u8>],
+        start: usize,
+        end: usize,
+        reach: &[Reach],
+    ) -> usize {
+        let ok = |k: usize| {
+            reach.iter().enumerate().all(|(g, r)| {
+                let from = match r {
+                    Reach::Prefix => start,
+                    Reach::Window(n) => start.max(k.saturating_sub(*n)),
+                };
+                ks[from..k].iter().all(|key| ix.is_ready(g, key))
+            })
+        };
+        (start + 1..=end.min(ks.len()))
+            .rev()
+            .find(|&k| ok(k))
+            .unwrap_or(start)
     }
 
     proptest! {
@@ -501,28 +764,28 @@ mod tests {
         /// a pinned slot keeps its key, nothing is ever beyond capacity.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(op(), 1..80), cap in 1usize..10) {
-            let mut ix = BlockIndex::new(cap);
+            let mut ix = BlockIndex::with_groups(cap, 2);
             let mut writing: Vec<Vec<u32>> = Vec::new();
-            let mut pins: Vec<(Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
+            let mut pins: Vec<(usize, Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
             for op in ops {
                 match op {
-                    Op::Save(ks) => { let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect(); save(&mut ix, &ks); }
-                    Op::Reserve(ks) => {
+                    Op::Save(g, ks) => { let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect(); ready(&mut ix, g, &ks); }
+                    Op::Reserve(g, ks) => {
                         let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect();
-                        writing.push(ix.reserve(&ks).into_iter().map(|(_, s)| s).collect());
+                        writing.push(ix.reserve_in(g, &ks).into_iter().map(|(_, s)| s).collect());
                     }
                     Op::CommitOldest => if !writing.is_empty() { let w = writing.remove(0); ix.commit(&w); },
                     Op::AbortOldest => if !writing.is_empty() { let w = writing.remove(0); ix.abort(&w); },
-                    Op::PinPrefix(n) => {
+                    Op::PinPrefix(g, n) => {
                         let ks: Vec<Vec<u8>> = (0..n).map(|b| vec![b]).collect();
-                        if let Some(s) = ix.pin_ready(&ks) { pins.push((s, ks)); }
+                        if let Some(s) = ix.pin_ready_in(g, &ks) { pins.push((g, s, ks)); }
                     }
-                    Op::UnpinOldest => if !pins.is_empty() { let (s, _) = pins.remove(0); ix.unpin(&s); },
+                    Op::UnpinOldest => if !pins.is_empty() { let (_, s, _) = pins.remove(0); ix.unpin(&s); },
                     Op::Clear => { ix.clear_unpinned(); }
                 }
                 prop_assert!(ix.check().is_ok(), "{:?}", ix.check());
-                for (slots, ks) in &pins {
-                    prop_assert_eq!(ix.longest_prefix(ks), ks.len());
+                for (g, slots, ks) in &pins {
+                    prop_assert_eq!(ix.longest_prefix_in(*g, ks), ks.len());
                     for &s in slots { prop_assert!(ix.pins(s) > 0); }
                 }
                 for w in &writing {
@@ -530,7 +793,37 @@ mod tests {
                 }
                 let (f, w, r, _) = ix.occupancy();
                 prop_assert_eq!(f + w + r, cap);
+                let (w0, r0) = ix.group_occupancy(0);
+                let (w1, r1) = ix.group_occupancy(1);
+                prop_assert_eq!((w0 + w1, r0 + r1), (w, r));
             }
+        }
+
+        /// The hybrid lookup equals its definition: the longest resume point
+        /// at which every prefix group has every block after `start` and
+        /// every window group the last n blocks.
+        #[test]
+        fn servable_prefix_matches_its_definition(
+            present in proptest::collection::vec((0usize..3, 0u32..12), 0..30),
+            windows in proptest::collection::vec(proptest::option::of(0usize..4), 1..4),
+            start in 0usize..6,
+            end in 0usize..14,
+        ) {
+            let groups = windows.len();
+            let reach: Vec<Reach> = windows
+                .iter()
+                .map(|w| w.map_or(Reach::Prefix, Reach::Window))
+                .collect();
+            let mut ix = BlockIndex::with_groups(64, groups);
+            for (g, key) in present {
+                if g < groups {
+                    ready(&mut ix, g, &[k(key)]);
+                }
+            }
+            let ks = keys(0..12);
+            let got = ix.servable_prefix(&ks, start, end, &reach);
+            prop_assert_eq!(got.blocks, servable_by_definition(&ix, &ks, start, end, &reach));
+            prop_assert!(got.blocks <= got.prefix_blocks.max(start));
         }
     }
 }

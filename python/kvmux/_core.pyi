@@ -61,18 +61,38 @@ class SaveCountdown:
     def pending(self) -> int: ...
     def __len__(self) -> int: ...
 
-class HostIndex:
-    """The host tier's block index: block hash -> slot, LRU, pins."""
+class ServablePrefix:
+    """The answer of :meth:`HostIndex.servable_prefix`, in blocks."""
 
-    def __init__(self, capacity: int) -> None: ...
+    @property
+    def blocks(self) -> int:
+        """The longest prefix every group can serve (``start`` when none)."""
+    @property
+    def prefix_blocks(self) -> int:
+        """Where the full-attention groups' run of ready blocks ends."""
+
+class HostIndex:
+    """The host tier's block index: block hash -> slot, LRU, pins; one key
+    space per KV cache group, one pool of slots and one LRU order."""
+
+    def __init__(self, capacity: int, groups: int = 1) -> None: ...
     @property
     def capacity(self) -> int: ...
-    def longest_prefix(self, keys: list[bytes]) -> int:
-        """Leading blocks of ``keys`` ready to load."""
-    def pin_ready(self, keys: list[bytes]) -> list[int] | None:
-        """Pin the slots of ``keys`` for a load; None (nothing pinned) unless all are ready."""
-    def reserve(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
-        """Reserve slots for the uncached ``keys``: (positions in keys, slots)."""
+    @property
+    def groups(self) -> int: ...
+    def longest_prefix(self, keys: list[bytes], group: int = 0) -> int:
+        """Leading blocks of ``keys`` whose ``group`` blocks are ready to load."""
+    def servable_prefix(
+        self, keys: list[bytes], start: int, end: int, windows: list[int | None]
+    ) -> ServablePrefix:
+        """The longest prefix of ``keys[:end]`` every group can resume from,
+        the first ``start`` blocks being on the device; ``windows[g]``: None
+        for a full-attention group, else the blocks it reads before the
+        resume point."""
+    def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
+        """Pin the slots of ``group``'s ``keys`` for a load; None (nothing pinned) unless all are ready."""
+    def reserve(self, keys: list[bytes], group: int = 0) -> tuple[list[int], list[int]]:
+        """Reserve slots for ``group``'s uncached ``keys``: (positions in keys, slots)."""
     def commit(self, slots: list[int]) -> int: ...
     def abort(self, slots: list[int]) -> int: ...
     def unpin(self, slots: list[int]) -> None: ...
@@ -81,6 +101,8 @@ class HostIndex:
     def check(self) -> None:
         """Raise RuntimeError naming the first broken invariant."""
     def stats(self) -> dict[str, int]: ...
+    def group_stats(self) -> list[dict[str, int]]:
+        """Per group: ``writing``, ``ready``, ``stored``, ``evicted``, ``aborted``."""
 
 def chain_token_hashes(tokens: list[int], block_size: int, seed: bytes) -> list[bytes]:
     """Chained 128-bit hashes of the full blocks of ``tokens``."""
