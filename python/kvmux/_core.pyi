@@ -90,7 +90,8 @@ class HostIndex:
         for a full-attention group, else the blocks it reads before the
         resume point."""
     def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
-        """Pin the slots of ``group``'s ``keys`` for a load; None (nothing pinned) unless all are ready."""
+        """Pin the slots of ``group``'s ``keys`` for a load; None (nothing
+        pinned) unless all are ready."""
     def reserve(self, keys: list[bytes], group: int = 0) -> tuple[list[int], list[int]]:
         """Reserve slots for ``group``'s uncached ``keys``: (positions in keys, slots)."""
     def commit(self, slots: list[int]) -> int: ...
