@@ -94,15 +94,18 @@ IN_THE_ENGINE = {
     # one KV cache group, so kvmux runs every child (it once refused).
     "quickstart": True,
     "no-service": True,
-    # KvmuxHostCache alone does not claim HMA support: vLLM turns it off.
-    "host-tier-alone": False,
-    # Under the MultiConnector name vLLM asks every child and turns it off.
+    # KvmuxHostCache supports HMA (any number of KV cache groups): vLLM
+    # keeps it on for the host tier alone.
+    "host-tier-alone": True,
+    # Under the MultiConnector name vLLM asks every child: ExampleConnector
+    # lacks HMA, so vLLM turns it off...
     "multiconnector-name": False,
-    "lmcache": False,
+    # ...and LMCacheMPConnector has it, as the host tier does: on.
+    "lmcache": True,
 }
 #: The blocks with LMCache also run through vLLM 0.33's real scheduler and
 #: workers (``tests/test_readme.py``), where the KV is checked bit for bit.
-ON_THE_SCHEDULER = {"quickstart": True, "lmcache": False}
+ON_THE_SCHEDULER = {"quickstart": True, "lmcache": True}
 
 #: What a test may swap in a README config: resources, never behaviour.
 SUBSTITUTABLE = frozenset(

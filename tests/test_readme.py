@@ -68,9 +68,10 @@ def test_the_readme_lmcache_config_stores_and_loads_byte_exact(
     readme_id, lmcache_server, model_dir
 ):
     """With vLLM's own hybrid-manager decision on an HMA platform (on for
-    ``KvmuxConnector``, off for the ``MultiConnector`` name), the README's
-    block stores a prefix through LMCache and, once every local copy is
-    wiped, loads it back from LMCache bit for bit."""
+    both: ``KvmuxConnector`` supports HMA, and under the ``MultiConnector``
+    name so do both children), the README's block stores a prefix through
+    LMCache and, once every local copy is wiped, loads it back from LMCache
+    bit for bit."""
     block = README[readme_id]
     assert block.serve_flags == []  # vLLM's default block size, the suite's (16)
     cfg = substitute(block.config, capacity_gib=0.01, lmcache_mp_port=lmcache_server.port)

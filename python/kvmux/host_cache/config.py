@@ -21,14 +21,16 @@ class HostCacheConfig:
     num_blocks: int | None
 
     def num_slots(self, block_bytes: int) -> int:
-        """Host slots for blocks of ``block_bytes`` bytes (all layers)."""
+        """Host slots for blocks of ``block_bytes`` bytes (one block of every
+        layer of the largest KV cache group: a slot holds any group's block)."""
         if self.num_blocks is not None:
             return self.num_blocks
         slots = int(self.capacity_gib * GIB) // block_bytes  # type: ignore[operator]
         if slots < 1:
             raise KvmuxConfigError(
                 f"KvmuxHostCache capacity_gib={self.capacity_gib} holds no KV block "
-                f"(one block of all layers is {block_bytes} bytes); raise capacity_gib"
+                f"(one block of a KV cache group's layers is {block_bytes} bytes); raise "
+                "capacity_gib"
             )
         return slots
 

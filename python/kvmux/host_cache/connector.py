@@ -6,6 +6,11 @@ Usable alone (``{"kv_connector": "KvmuxHostCache", "kv_connector_module_path":
 :class:`~kvmux.host_cache.scheduler.HostCacheScheduler` (indexed by the Rust
 core), the worker side :class:`~kvmux.host_cache.worker.HostCacheWorker`
 (torch copies).
+
+It supports vLLM's hybrid KV cache manager (``SupportsHMA``): any number of
+full-attention, sliding-window and chunked-local KV cache groups
+(:mod:`kvmux.host_cache.layout` says what it stores of each), so vLLM keeps
+HMA on for it, alone or under ``MultiConnector`` with other HMA children.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvmux.errors import KvmuxConfigError
 from kvmux.host_cache.config import parse_host_cache_config
+from kvmux.host_cache.layout import HostLayout, host_layout
 from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
 from kvmux.host_cache.scheduler import HostCacheScheduler
 from kvmux.host_cache.stats import HostCacheStats
@@ -36,20 +43,10 @@ if TYPE_CHECKING:
 __all__ = ["KvmuxHostCache"]
 
 
-def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise KvmuxConfigError(
-            f"KvmuxHostCache supports models with one KV cache group, this one has "
-            f"{len(groups)}; run with --disable-hybrid-kv-cache-manager or drop the host tier"
-        )
-    group = groups[0]
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-
-
-class KvmuxHostCache(KVConnectorBase_V1):
+class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     """A host-memory KV tier: full blocks are saved device->host as they are
-    computed and loaded back for later requests that share the prefix."""
+    computed and loaded back for later requests that share the prefix, in
+    every KV cache group of the model."""
 
     def __init__(
         self,
@@ -63,18 +60,27 @@ class KvmuxHostCache(KVConnectorBase_V1):
             raise KvmuxConfigError(
                 "KvmuxHostCache needs vLLM to pass kv_cache_config (vLLM >= 0.32)"
             )
-        block_bytes = _block_bytes(kv_cache_config)
-        num_slots = cfg.num_slots(block_bytes)
+        self.layout: HostLayout = host_layout(kv_cache_config, vllm_config.cache_config.block_size)
+        num_slots = cfg.num_slots(self.layout.slot_bytes)
         self._sched: HostCacheScheduler | None = None
         self._worker: HostCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             par = vllm_config.parallel_config
             workers = par.tensor_parallel_size * par.pipeline_parallel_size
             self._sched = HostCacheScheduler(
-                vllm_config.cache_config.block_size, num_slots, workers
+                self.layout.block_size,
+                num_slots,
+                workers,
+                self.layout.windows,
+                [g.kind for g in self.layout.groups],
             )
         else:
-            self._worker = HostCacheWorker(kv_cache_config.num_blocks, num_slots, block_bytes)
+            self._worker = HostCacheWorker(
+                kv_cache_config.num_blocks,
+                num_slots,
+                self.layout.slot_bytes,
+                self.layout.layer_groups,
+            )
 
     @classmethod
     def validate_transfer_config(cls, kv_transfer_config: Any) -> None:
@@ -122,6 +128,16 @@ class KvmuxHostCache(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA off (one group): as :meth:`request_finished_all_groups`."""
+        return self.scheduler.finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request ends in every group at once. Its blocks were saved
+        step by step as they filled (each group's share: see ``layout.py``),
+        so nothing is copied here: ``async_save`` is True while those saves
+        are in flight, and vLLM keeps every group's blocks until then."""
         return self.scheduler.finished(request)
 
     def reset_cache(self) -> bool:
@@ -133,6 +149,15 @@ class KvmuxHostCache(KVConnectorBase_V1):
     def index_stats(self) -> dict[str, int]:
         """Slot occupancy and lifetime counters of the block index."""
         return self.scheduler.index.stats()
+
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per KV cache group: its kind, window, the slots its blocks hold
+        (``writing``, ``ready``) and its lifetime ``stored``, ``evicted``
+        and ``aborted`` blocks."""
+        return [
+            {"kind": g.kind, "window_tokens": g.window_tokens, **st}
+            for g, st in zip(self.layout.groups, self.scheduler.index.group_stats(), strict=True)
+        ]
 
     # --------------------------------------------------------- worker side
 

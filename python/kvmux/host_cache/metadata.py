@@ -18,6 +18,8 @@ class LoadJob:
     req_id: str
     slots: tuple[int, ...]
     blocks: tuple[int, ...]
+    group: int = 0
+    """The KV cache group whose device ``blocks`` the slots fill."""
     failed: bool = False
     """The slots could not be pinned: the worker reports ``blocks`` as load
     errors so vLLM recomputes them."""
@@ -28,6 +30,8 @@ class SaveJob:
     req_id: str
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
+    group: int = 0
+    """The KV cache group whose device ``blocks`` are saved."""
 
 
 @dataclass

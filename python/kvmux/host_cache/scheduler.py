@@ -17,15 +17,36 @@ Protocol with the workers (all through vLLM's metadata paths):
 Partial blocks are never stored. Block identities are vLLM's block hashes
 (prefix-cache identity: salt, LoRA, multimodal inputs); without them (prefix
 caching off) a chained hash of the token ids, computed in Rust.
+
+Hybrid models (several KV cache groups, :mod:`kvmux.host_cache.layout`):
+each group's blocks are keyed in the group's own key space of one index. A
+lookup answers the longest prefix every group can resume from (one Rust
+call). Full-attention groups store every full block; a sliding-window group
+stores only the windows before the points a later request can resume at:
+
+- the request's prompt (an identical prompt resumes at its last full block
+  before the final token): the window before it and every block after it,
+  the generated ones included, since any of them can end a later turn's
+  shared prefix;
+- the prefix it shared on arrival: vLLM's own prefix-cache hit, and the
+  full-attention prefix the tier held beyond what it could serve (so the
+  next request sharing it resumes there).
+
+Its other blocks are never read by vLLM for a request that resumes at one
+of those points: they are counted as skipped. A load fills, in every group,
+the blocks vLLM allocated for the external tokens (a windowed group's
+leading blocks are vLLM's null block: nothing to load).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import HostIndex, chain_token_hashes
+from kvmux.host_cache.layout import NULL_BLOCK_ID
 from kvmux.host_cache.metadata import (
     HostCacheMetadata,
     HostCacheWorkerMetadata,
@@ -55,21 +76,55 @@ class _Req:
     inflight: set[int] = field(default_factory=set)
     """Reserved slots whose save is not confirmed yet."""
     loaded_tokens: int = 0
+    loaded_per_group: Counter[int] = field(default_factory=Counter)
+    saved_per_group: Counter[int] = field(default_factory=Counter)
     saved_blocks_new: int = 0
-    """Blocks this request added to the tier."""
+    """Blocks this request added to the tier (all groups)."""
+    offer: list[tuple[int, list[int]]] = field(default_factory=list)
+    """The latest lookup's pinned slots, per group: (first block, slots)."""
+    junctions: set[int] = field(default_factory=set)
+    """Block boundaries where the request joined a prefix cached before it:
+    the windowed groups keep the window before each."""
+
+    def wants(self, block: int, window: int, block_size: int) -> bool:
+        """Whether a group reading ``window`` blocks before a resume point
+        keeps the request's ``block``: it lies in the window before a
+        junction, or from the window before the prompt's resume point on."""
+        replay = (self.request.num_prompt_tokens - 1) // block_size
+        if block >= replay - window:
+            return True
+        return any(j - window <= block < j for j in self.junctions)
 
 
 class HostCacheScheduler:
-    def __init__(self, block_size: int, num_slots: int, num_workers: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_slots: int,
+        num_workers: int,
+        windows: Sequence[int | None] = (None,),
+        kinds: Sequence[str] | None = None,
+    ) -> None:
+        """``windows``: per KV cache group, None for full attention, else the
+        blocks the group reads before a resume point; ``kinds``: the groups'
+        kinds, for the stats (see ``layout.py``)."""
         self.block_size = block_size
-        self.index = HostIndex(num_slots)
+        self.windows = list(windows)
+        self.kinds = (
+            list(kinds)
+            if kinds is not None
+            else ["full_attention" if w is None else "sliding_window" for w in self.windows]
+        )
+        self.index = HostIndex(num_slots, len(self.windows))
         self.num_workers = num_workers
+        self._multi = len(self.windows) > 1
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._finished_async: list[str] = []
         # slot -> save confirmations still expected from the workers
         self._save_acks: dict[int, int] = {}
         self._slot_owner: dict[int, str] = {}
+        self._slot_group: dict[int, int] = {}
         # slot -> load confirmations received, not yet a whole set of workers
         self._load_acks: Counter[int] = Counter()
         self.stats = HostCacheStats()
@@ -95,36 +150,134 @@ class HostCacheScheduler:
     # ------------------------------------------------------------ events
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        keys = self.keys(request)
-        hit_blocks = self.index.longest_prefix(keys)
+        """The longest prefix every group can serve beyond vLLM's local hit.
+        The slots it offers are pinned until the allocation takes them (or a
+        new lookup, or the request's end, releases them): what the tier
+        offers, it can load."""
+        bs = self.block_size
+        start = num_computed_tokens // bs
         # vLLM must compute at least the last prompt token itself.
-        hit_blocks = min(hit_blocks, (request.num_tokens - 1) // self.block_size)
-        external = max(0, hit_blocks * self.block_size - num_computed_tokens)
+        cap = (request.num_tokens - 1) // bs
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
+        self._release_offer(st)
+        hit = self.index.servable_prefix(self.keys(request), start, cap, self.windows)
         st.lookup_computed = num_computed_tokens
+        st.junctions.update(j for j in (start, hit.prefix_blocks) if j > 0)
+        if hit.blocks > start:
+            st.offer = self._pin_offer(request, start, hit.blocks)
+        external = max(0, hit.blocks * bs - num_computed_tokens) if st.offer else 0
         self.stats.add("lookups", 1)
         self.stats.add("lookup_hit_tokens", external)
         return external, False
 
+    def _pin_offer(self, request: Request, start: int, end: int) -> list[tuple[int, list[int]]]:
+        """Pin, per group, the slots a resume at block ``end`` reads beyond
+        ``start``: ``(first block, slots)``; empty if one is not ready."""
+        keys = self.keys(request, start, end)
+        offer: list[tuple[int, list[int]]] = []
+        for g, window in enumerate(self.windows):
+            first = start if window is None else max(start, end - window)
+            slots = self.index.pin_ready(keys[first - start :], g)
+            if slots is None:
+                for _, pinned in offer:
+                    self.index.unpin(pinned)
+                return []
+            offer.append((first, slots))
+        return offer
+
+    def _release_offer(self, st: _Req) -> None:
+        if st.offer:
+            self.index.unpin([s for _, slots in st.offer for s in slots])
+        st.offer = []
+
     def allocated(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks, ``num_external_tokens`` of
+        them for the tier to fill. In every group, each such block vLLM
+        allocated (a windowed group's are its window; the rest are vLLM's
+        null block) gets the offered slot, and the loads are queued; offered
+        slots left over are released."""
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
+        offer, st.offer = st.offer, []
         if num_external_tokens <= 0:
+            for _, slots in offer:
+                self.index.unpin(slots)
             return
         bs = self.block_size
         start, n = st.lookup_computed // bs, num_external_tokens // bs
-        block_ids = blocks.get_block_ids()[0][start : start + n]
-        slots = self.index.pin_ready(self.keys(request, start, start + n))
-        if slots is None or len(block_ids) != n:
-            self.stats.add("load_errors", len(block_ids))
-            self._loads.append(LoadJob(request.request_id, (), tuple(block_ids), failed=True))
+        all_ids = blocks.get_block_ids()
+        jobs: list[LoadJob] = []
+        missing: list[int] = []
+        for g, window in enumerate(self.windows):
+            first, slots = offer[g] if offer else (start, [])
+            ids = all_ids[g][start : start + n]
+            pairs = []  # (slot, device block)
+            for i, block in enumerate(ids):
+                if block == NULL_BLOCK_ID and window is not None:
+                    continue
+                j = start + i - first
+                if 0 <= j < len(slots):
+                    pairs.append((slots[j], block))
+                else:
+                    missing.append(block)
+            used = {slot for slot, _ in pairs}
+            self.index.unpin([s for s in slots if s not in used])
+            if len(ids) < n:
+                missing.append(-1)
+            if pairs:
+                jobs.append(
+                    LoadJob(
+                        request.request_id,
+                        tuple(s for s, _ in pairs),
+                        tuple(b for _, b in pairs),
+                        g,
+                    )
+                )
+        if missing:
+            self._load_not_offered(request, jobs, [b for b in missing if b >= 0])
             return
         self.stats.add("loaded_tokens", num_external_tokens)
+        if self._multi:
+            for job in jobs:
+                self.stats.add(f"group{job.group}.loaded_blocks", len(job.blocks))
         st.loaded_tokens += num_external_tokens
-        self._loads.append(LoadJob(request.request_id, tuple(slots), tuple(block_ids)))
+        for job in jobs:
+            st.loaded_per_group[job.group] += len(job.blocks)
+        self._loads.extend(jobs)
+
+    def _load_not_offered(self, request: Request, jobs: list[LoadJob], extra: list[int]) -> None:
+        """vLLM asked for blocks the lookup did not offer (it never does:
+        vLLM allocates what the lookup answered, in the same step). With one
+        KV cache group, report them all as load errors: vLLM recomputes
+        them. With several, vLLM cannot map block-level errors back to
+        requests, and loading part of a prefix would corrupt it: refuse."""
+        for job in jobs:
+            self.index.unpin(list(job.slots))
+        failed = [b for job in jobs for b in job.blocks] + extra
+        if self._multi:
+            raise RuntimeError(
+                f"KvmuxHostCache: vLLM allocated blocks for request {request.request_id!r} "
+                "that the host tier's lookup did not offer, in a model of "
+                f"{len(self.windows)} KV cache groups, where vLLM cannot recompute failed "
+                "blocks; this is a bug in kvmux or an unsupported vLLM version: please report it"
+            )
+        self.stats.add("load_errors", len(failed))
+        self._loads.append(LoadJob(request.request_id, (), tuple(failed), failed=True))
+
+    def _save_positions(self, st: _Req, first: int, n: int, ids: Any, window: int) -> list[int]:
+        """Positions in ``[first, first + n)`` (relative to ``first``) whose
+        blocks a windowed group keeps and still holds on the device."""
+        bs = self.block_size
+        return [
+            p
+            for p in range(n)
+            if st.wants(first + p, window, bs)
+            and first + p < len(ids)
+            and ids[first + p] != NULL_BLOCK_ID
+        ]
 
     def build_meta(
         self, scheduler_output: SchedulerOutput, kv_cache_manager: Any
@@ -143,21 +296,36 @@ class HostCacheScheduler:
                 continue
             if evicted_before is None:
                 evicted_before = self.index.stats()["evicted"]
-            positions, slots = self.index.reserve(self.keys(st.request, st.saved_blocks, full))
-            if slots:
-                block_ids = kv_cache_manager.get_block_ids(req_id)[0]
+            first = st.saved_blocks
+            keys = self.keys(st.request, first, full)
+            all_ids = None
+            for g, window in enumerate(self.windows):
+                sub = None  # positions a windowed group keeps (None: all)
+                if window is not None:
+                    if all_ids is None:
+                        all_ids = kv_cache_manager.get_block_ids(req_id)
+                    sub = self._save_positions(st, first, len(keys), all_ids[g], window)
+                    self.stats.add(f"group{g}.skipped_blocks", len(keys) - len(sub))
+                positions, slots = self.index.reserve(
+                    keys if sub is None else [keys[p] for p in sub], g
+                )
+                if not slots:
+                    continue
+                if sub is not None:
+                    positions = [sub[p] for p in positions]
+                if all_ids is None:
+                    all_ids = kv_cache_manager.get_block_ids(req_id)
+                ids = all_ids[g]
                 meta.saves.append(
-                    SaveJob(
-                        req_id,
-                        tuple(block_ids[st.saved_blocks + p] for p in positions),
-                        tuple(slots),
-                    )
+                    SaveJob(req_id, tuple(ids[first + p] for p in positions), tuple(slots), g)
                 )
                 st.inflight.update(slots)
                 st.saved_blocks_new += len(slots)
+                st.saved_per_group[g] += len(slots)
                 for s in slots:
                     self._save_acks[s] = self.num_workers
                     self._slot_owner[s] = req_id
+                    self._slot_group[s] = g
             st.saved_blocks = full
         if evicted_before is not None:
             self.stats.add("evicted_blocks", self.index.stats()["evicted"] - evicted_before)
@@ -170,18 +338,22 @@ class HostCacheScheduler:
             self.index.abort(list(meta.failed_saves))
             for s in meta.failed_saves:
                 self._forget_save(s)
-        done = []
+        done: list[int] = []
+        groups: Counter[int] = Counter()
         for s, n in meta.saved.items():
             left = self._save_acks.get(s)
             if left is None:
                 continue
             if left - n <= 0:
                 done.append(s)
-                self._forget_save(s)
+                groups[self._forget_save(s)] += 1
             else:
                 self._save_acks[s] = left - n
         if done:
             self.stats.add("stored_blocks", self.index.commit(done))
+            if self._multi:
+                for g, n in groups.items():
+                    self.stats.add(f"group{g}.stored_blocks", n)
         unpin = []
         for s, n in meta.loaded.items():
             # A load pin is released once every worker has confirmed it.
@@ -192,12 +364,14 @@ class HostCacheScheduler:
         if unpin:
             self.index.unpin(unpin)
 
-    def _forget_save(self, slot: int) -> None:
+    def _forget_save(self, slot: int) -> int:
+        """Drop the bookkeeping of a save into ``slot``; its group."""
         self._save_acks.pop(slot, None)
         owner = self._slot_owner.pop(slot, None)
         st = self._reqs.get(owner) if owner is not None else None
         if st is not None:
             st.inflight.discard(slot)
+        return self._slot_group.pop(slot, 0)
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """The request ends: ``(async_save, params)``. ``async_save`` is True
@@ -206,6 +380,8 @@ class HostCacheScheduler:
         request's ``kv_transfer_params`` ask for ``host_cache_stats``."""
         req_id = request.request_id
         st = self._reqs.pop(req_id, None)
+        if st is not None:
+            self._release_offer(st)
         # Loads allocated but never shipped (aborted within the step).
         kept = []
         for job in self._loads:
@@ -217,16 +393,30 @@ class HostCacheScheduler:
         asked = getattr(request, "kv_transfer_params", None)
         params = None
         if isinstance(asked, dict) and STATS_KEY in asked:
-            params = {
-                STATS_KEY: {
-                    "loaded_tokens": st.loaded_tokens if st else 0,
-                    "saved_blocks": st.saved_blocks_new if st else 0,
-                }
-            }
+            params = {STATS_KEY: self._request_stats(st)}
         if st is None or not st.inflight:
             return False, params
         self._finished_async.append(req_id)
         return True, params
+
+    def _request_stats(self, st: _Req | None) -> dict[str, Any]:
+        """A finished request's ``host_cache_stats``; with several KV cache
+        groups also ``groups``: each group's kind and its blocks loaded and
+        saved (a windowed group's are its windows only)."""
+        out: dict[str, Any] = {
+            "loaded_tokens": st.loaded_tokens if st else 0,
+            "saved_blocks": st.saved_blocks_new if st else 0,
+        }
+        if self._multi:
+            out["groups"] = [
+                {
+                    "kind": kind,
+                    "loaded_blocks": st.loaded_per_group[g] if st else 0,
+                    "saved_blocks": st.saved_per_group[g] if st else 0,
+                }
+                for g, kind in enumerate(self.kinds)
+            ]
+        return out
 
     def _drop_load(self, job: LoadJob) -> None:
         if not job.failed:

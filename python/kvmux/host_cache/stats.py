@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["COUNTERS", "HostCacheStats"]
+__all__ = ["COUNTERS", "GROUP_COUNTERS", "HostCacheStats"]
 
 COUNTERS = (
     "lookups",  # requests looked up
@@ -18,6 +18,13 @@ COUNTERS = (
     "bytes_saved",  # device -> host bytes
     "bytes_loaded",  # host -> device bytes
     "load_errors",  # blocks that could not be loaded (vLLM recomputes them)
+)
+
+#: Per KV cache group ``g`` of a hybrid model, as ``group<g>.<counter>``.
+GROUP_COUNTERS = (
+    "stored_blocks",  # the group's blocks whose save completed
+    "loaded_blocks",  # the group's blocks loaded (a window group: its window only)
+    "skipped_blocks",  # a window group's full blocks not stored: no resume point reads them
 )
 
 
@@ -37,6 +44,7 @@ class HostCacheStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        out.update(sorted((k, v) for k, v in self.data.items() if k.startswith("group")))
         if out["lookups"]:
             out["hit_tokens_per_lookup"] = round(out["lookup_hit_tokens"] / out["lookups"], 1)
         return out

@@ -10,6 +10,12 @@ usually one). On CUDA they run on a side stream: saves start after the
 forward and the next step's forward waits for them on the GPU (never on the
 CPU); loads are waited for on the GPU before the forward reads them.
 
+KV cache groups (hybrid models): vLLM's groups overlay one another, a layer
+of each group sharing one tensor, because a device block belongs to one
+group at a time. The host pool mirrors that: layers whose device tensors
+are the same view share one host tensor, and a host slot holds one block of
+one group. Each copy moves one group's blocks through that group's layers.
+
 Supported per-layer layouts (the axis of size ``num_blocks`` is found):
 
 - blocks first: ``(num_blocks, ...)``, e.g. vLLM 0.33's CPU and standard
@@ -112,7 +118,13 @@ def _block_dim(t: torch.Tensor, num_blocks: int) -> int | None:
 
 
 class HostPool:
-    """Host copies of ``num_slots`` KV blocks of every layer of ``kv_caches``."""
+    """Host copies of ``num_slots`` KV blocks of the layers of ``kv_caches``.
+
+    ``groups``: the layer names of each KV cache group (vLLM's
+    ``KVCacheConfig.kv_cache_groups``); None is one group of every layer.
+    A slot holds one block of one group; :meth:`save` and :meth:`load` copy
+    one group's blocks.
+    """
 
     def __init__(
         self,
@@ -120,6 +132,7 @@ class HostPool:
         num_blocks: int,
         num_slots: int,
         *,
+        groups: Sequence[Sequence[str]] | None = None,
         pin_memory: bool | None = None,
     ) -> None:
         if not kv_caches:
@@ -129,9 +142,41 @@ class HostPool:
         first = next(iter(kv_caches.values()))
         self.device = first.device
         self.is_cuda = self.device.type == "cuda"
-        pin = self.is_cuda if pin_memory is None else pin_memory
+        self._pin = self.is_cuda if pin_memory is None else pin_memory
         self.num_slots = num_slots
-        self.layers: list[_Layer] = []
+        self._num_blocks = num_blocks
+        # One host tensor per distinct device view, shared by the groups
+        # whose layers overlay it.
+        self._hosts: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        self.groups: list[list[_Layer]] = []
+        for g, names in enumerate([list(kv_caches)] if groups is None else groups):
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise UnsupportedKVLayout(
+                    f"KV cache group {g}'s layers {missing} were not registered; the host "
+                    "tier copies the layers of vLLM's KV cache config"
+                )
+            self.groups.append(self._group_layers({n: kv_caches[n] for n in names}))
+        # Host bytes of one slot (a row of every host tensor), and the bytes
+        # one block of each group moves.
+        self.block_bytes = sum(
+            host[0].numel() * host.element_size() for host in self._hosts.values()
+        )
+        self.group_block_bytes = [
+            sum(layer.host[0].numel() * layer.host.element_size() for layer in layers)
+            for layers in self.groups
+        ]
+        self._stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self._last_save: torch.cuda.Event | None = None
+
+    @property
+    def layers(self) -> list[_Layer]:
+        """Every copied layer of every group."""
+        return [layer for layers in self.groups for layer in layers]
+
+    def _group_layers(self, kv_caches: Mapping[str, torch.Tensor]) -> list[_Layer]:
+        num_blocks = self._num_blocks
+        layers: list[_Layer] = []
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         for name, t in kv_caches.items():
             if not isinstance(t, torch.Tensor):
@@ -155,14 +200,15 @@ class HostPool:
             if alias in seen:  # layers sharing one KV cache are copied once
                 continue
             seen.add(alias)
-            block_shape = t.shape[1:] if dim == 0 else (2, *t.shape[2:])
-            host = torch.empty((num_slots, *block_shape), dtype=t.dtype, pin_memory=pin)
-            self.layers.append(_Layer(name, t, host, dim))
-        self.block_bytes = sum(
-            layer.host[0].numel() * layer.host.element_size() for layer in self.layers
-        )
-        self._stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        self._last_save: torch.cuda.Event | None = None
+            host = self._hosts.get(alias)
+            if host is None:
+                block_shape = t.shape[1:] if dim == 0 else (2, *t.shape[2:])
+                host = torch.empty(
+                    (self.num_slots, *block_shape), dtype=t.dtype, pin_memory=self._pin
+                )
+                self._hosts[alias] = host
+            layers.append(_Layer(name, t, host, dim))
+        return layers
 
     @property
     def nbytes(self) -> int:
@@ -185,15 +231,21 @@ class HostPool:
             raise ValueError(f"{len(blocks)} blocks but {len(slots)} slots")
         return contiguous_runs(slots)
 
-    def save(self, blocks: Sequence[int], slots: Sequence[int]) -> Transfer:
-        """Copy device ``blocks`` into host ``slots`` (device -> host)."""
+    def _group(self, group: int) -> list[_Layer]:
+        if not 0 <= group < len(self.groups):
+            raise ValueError(f"KV cache group {group} out of range: {len(self.groups)} group(s)")
+        return self.groups[group]
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int], group: int = 0) -> Transfer:
+        """Copy ``group``'s device ``blocks`` into host ``slots`` (device -> host)."""
+        layers = self._group(group)
         runs = self._runs(blocks, slots)
         if not runs:
             return Transfer(0)
-        nbytes = self.block_bytes * len(blocks)
+        nbytes = self.group_block_bytes[group] * len(blocks)
         if not self.is_cuda:
             idx = self._idx(blocks)
-            for layer in self.layers:
+            for layer in layers:
                 if layer.block_dim == 0 and len(runs) == 1:
                     # One pass: gather straight into the host slots.
                     _, first, n = runs[0]
@@ -206,7 +258,7 @@ class HostPool:
         keep: list[torch.Tensor] = []
         with torch.cuda.stream(stream):
             idx = self._idx(blocks)
-            for layer in self.layers:
+            for layer in layers:
                 gathered = layer.gather(idx)
                 self._to_host_runs(layer, gathered, runs, non_blocking=True)
                 keep.append(gathered)
@@ -225,17 +277,18 @@ class HostPool:
         for pos, first, n in runs:
             layer.host[first : first + n].copy_(gathered[pos : pos + n], non_blocking=non_blocking)
 
-    def load(self, slots: Sequence[int], blocks: Sequence[int]) -> Transfer:
-        """Copy host ``slots`` into device ``blocks`` (host -> device). On
-        CUDA the current stream waits for the copy on the GPU."""
+    def load(self, slots: Sequence[int], blocks: Sequence[int], group: int = 0) -> Transfer:
+        """Copy host ``slots`` into ``group``'s device ``blocks`` (host ->
+        device). On CUDA the current stream waits for the copy on the GPU."""
+        layers = self._group(group)
         runs = self._runs(blocks, slots)
         if not runs:
             return Transfer(0)
-        nbytes = self.block_bytes * len(blocks)
+        nbytes = self.group_block_bytes[group] * len(blocks)
         if not self.is_cuda:
             idx = self._idx(blocks)
             sidx = None if len(runs) == 1 else torch.tensor(slots, dtype=torch.long)
-            for layer in self.layers:
+            for layer in layers:
                 if sidx is None:
                     _, first, n = runs[0]
                     src = layer.host[first : first + n]  # a view: one pass
@@ -249,7 +302,7 @@ class HostPool:
         keep: list[torch.Tensor] = []
         with torch.cuda.stream(stream):
             idx = self._idx(blocks)
-            for layer in self.layers:
+            for layer in layers:
                 staging = torch.empty(
                     (len(blocks), *layer.host.shape[1:]),
                     dtype=layer.host.dtype,

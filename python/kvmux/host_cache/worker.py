@@ -4,11 +4,12 @@ torch copy path (:mod:`kvmux.host_cache.transfer`) and reports completions."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
+from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata, SaveJob
 from kvmux.host_cache.stats import HostCacheStats
 from kvmux.host_cache.transfer import HostPool, Transfer
 
@@ -18,10 +19,20 @@ __all__ = ["HostCacheWorker"]
 
 
 class HostCacheWorker:
-    def __init__(self, num_device_blocks: int, num_slots: int, block_bytes: int) -> None:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_slots: int,
+        block_bytes: int,
+        groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        """``block_bytes``: host bytes of one slot per the KV cache config;
+        ``groups``: each KV cache group's layer names (None: one group of
+        every registered layer)."""
         self.num_device_blocks = num_device_blocks
         self.num_slots = num_slots
         self.expected_block_bytes = block_bytes
+        self.groups = None if groups is None else [list(g) for g in groups]
         self.pool: HostPool | None = None
         self._meta: HostCacheMetadata | None = None
         # In-flight saves: (transfer, {req_id: slots}) in issue order.
@@ -33,21 +44,24 @@ class HostCacheWorker:
         self.stats = HostCacheStats()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        pool = HostPool(kv_caches, self.num_device_blocks, self.num_slots)
+        pool = HostPool(kv_caches, self.num_device_blocks, self.num_slots, groups=self.groups)
         if pool.block_bytes != self.expected_block_bytes:
             raise ValueError(
                 f"KvmuxHostCache: the registered KV caches hold {pool.block_bytes} bytes per "
-                f"block but the KV cache config says {self.expected_block_bytes}; the host "
-                "tier cannot size its pool consistently with the scheduler"
+                f"block but the KV cache config says {self.expected_block_bytes} (the largest "
+                "KV cache group's block); the host tier cannot size its pool consistently "
+                "with the scheduler"
             )
         self.pool = pool
         logger.info(
-            "KvmuxHostCache: %d host blocks of %d bytes (%.2f GiB, %s) for %d layers on %s",
+            "KvmuxHostCache: %d host blocks of %d bytes (%.2f GiB, %s) for %d layers "
+            "in %d KV cache group(s) on %s",
             pool.num_slots,
             pool.block_bytes,
             pool.nbytes / (1 << 30),
             "pinned" if pool.is_cuda else "pageable",
             len(pool.layers),
+            len(pool.groups),
             pool.device,
         )
 
@@ -69,49 +83,66 @@ class HostCacheWorker:
         return self.pool
 
     def start_load(self) -> None:
+        """This step's loads: one batched copy per KV cache group."""
         meta = self._meta
         if meta is None or not meta.loads:
             return
-        slots: list[int] = []
-        blocks: list[int] = []
+        by_group: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for job in meta.loads:
             if job.failed:
                 self._load_errors.update(job.blocks)
             else:
+                slots, blocks = by_group[job.group]
                 slots.extend(job.slots)
                 blocks.extend(job.blocks)
-        if not blocks:
-            return
-        try:
-            transfer = self._need_pool().load(slots, blocks)
-        except Exception:
-            logger.exception(
-                "KvmuxHostCache: load of %d blocks failed; vLLM recomputes them", len(blocks)
-            )
-            self._load_errors.update(blocks)
-            transfer = Transfer(0)
-        self.stats.add("bytes_loaded", transfer.nbytes)
-        self._loads.append((transfer, tuple(slots)))
+        for group, (slots, blocks) in by_group.items():
+            if not blocks:
+                continue
+            try:
+                transfer = self._need_pool().load(slots, blocks, group)
+            except Exception as e:
+                if self.groups is not None and len(self.groups) > 1:
+                    # vLLM maps block-level load errors back to requests only
+                    # for one KV cache group; it would fail on them anyway.
+                    raise RuntimeError(
+                        f"KvmuxHostCache: load of {len(blocks)} blocks into KV cache group "
+                        f"{group} failed ({type(e).__name__}: {e}); vLLM cannot recompute "
+                        "failed blocks of a model with several KV cache groups"
+                    ) from e
+                logger.exception(
+                    "KvmuxHostCache: load of %d blocks failed; vLLM recomputes them", len(blocks)
+                )
+                self._load_errors.update(blocks)
+                transfer = Transfer(0)
+            self.stats.add("bytes_loaded", transfer.nbytes)
+            self._loads.append((transfer, tuple(slots)))
 
     def save(self) -> None:
+        """This step's saves: one batched copy per KV cache group."""
         meta = self._meta
         if meta is None or not meta.saves:
             return
-        blocks: list[int] = []
-        slots: list[int] = []
-        owners: dict[str, tuple[int, ...]] = {}
+        jobs: dict[int, list[SaveJob]] = defaultdict(list)
         for job in meta.saves:
-            blocks.extend(job.blocks)
-            slots.extend(job.slots)
-            owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
-        try:
-            transfer = self._need_pool().save(blocks, slots)
-        except Exception:
-            logger.exception("KvmuxHostCache: save of %d blocks failed; dropping them", len(blocks))
-            self._out.failed_saves.update(slots)
-            return
-        self.stats.add("bytes_saved", transfer.nbytes)
-        self._saves.append((transfer, owners))
+            jobs[job.group].append(job)
+        for group, group_jobs in jobs.items():
+            blocks: list[int] = []
+            slots: list[int] = []
+            owners: dict[str, tuple[int, ...]] = {}
+            for job in group_jobs:
+                blocks.extend(job.blocks)
+                slots.extend(job.slots)
+                owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
+            try:
+                transfer = self._need_pool().save(blocks, slots, group)
+            except Exception:
+                logger.exception(
+                    "KvmuxHostCache: save of %d blocks failed; dropping them", len(blocks)
+                )
+                self._out.failed_saves.update(slots)
+                continue
+            self.stats.add("bytes_saved", transfer.nbytes)
+            self._saves.append((transfer, owners))
 
     def _poll(self) -> None:
         while self._saves and self._saves[0][0].done():
