@@ -3,7 +3,12 @@ import every child connector, report HMA capability, what the hybrid KV cache
 manager means for plain and hybrid models (for one local model with
 ``--model PATH``) and KV cache layout requirements, and list every problem
 with its fix. Exit status 0: valid; 1: problems found; 2: the input (config
-or model folder) is not readable."""
+or model folder) is not readable.
+
+``--peer CONFIG`` checks a prefill/decode pair: ``CONFIG`` is the
+prefill's, ``--peer`` the decode's, and what NIXL needs the two to agree on
+(``kvmux.cli.pd_pair``) is compared before either instance starts.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a local model folder (its config.json): say whether this config starts for it",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--peer",
+        metavar="CONFIG",
+        help="the decode instance's --kv-transfer-config (CONFIG is then the prefill's): "
+        "check what NIXL needs both to agree on",
+    )
+    p.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        dest="disable_hma",
+        action="store_true",
+        help="CONFIG's instance runs with this vLLM flag",
+    )
+    p.add_argument(
+        "--peer-disable-hybrid-kv-cache-manager",
+        dest="peer_disable_hma",
+        action="store_true",
+        help="the --peer instance runs with --disable-hybrid-kv-cache-manager",
+    )
 
 
 @dataclass
@@ -40,10 +63,25 @@ class Report:
     kv_cache_layout: str | None = None
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    peer: Report | None = None
+    """With ``--peer``: the decode's own report."""
+    pair: list[str] = field(default_factory=list)
+    """With ``--peer``: what the two instances agree on."""
+    pair_problems: list[str] = field(default_factory=list)
+    """With ``--peer``: what they disagree on, each with its fix."""
+    host_tier: str | None = None
+    """With ``KvmuxHostCache`` in the config: its HMA support and what it
+    stores of each kind of layer (of ``--model``'s, when given)."""
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.pair_problems and (self.peer is None or self.peer.ok)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "peer"}
+        if self.peer is not None:
+            out["peer"] = self.peer.as_dict()
+        return {**out, "ok": self.ok}
 
 
 def _load(text: str) -> Any:
@@ -57,9 +95,10 @@ def _cls_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def diagnose(raw: Any, model: ModelKV | None = None) -> Report:
+def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) -> Report:
     """Everything ``doctor`` finds about one --kv-transfer-config dict (and,
-    given ``model``, about serving that model with it)."""
+    given ``model``, about serving that model with it; ``disable_hma``: the
+    instance runs with ``--disable-hybrid-kv-cache-manager``)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -95,11 +134,15 @@ def diagnose(raw: Any, model: ModelKV | None = None) -> Report:
             rep.problems.extend(e.problems)
         hma = KVConnectorFactory.supports_hma_config(ktc)
         rep.children.append({"name": rep.connector, "class": _cls_path(cls), "supports_hma": hma})
+        _host_tier(rep, [cls], hma and not disable_hma, model)
         rep.hma = (
             "vLLM keeps the hybrid KV cache manager on"
             if hma
             else "vLLM turns the hybrid KV cache manager off for this connector by itself"
         )
+        if disable_hma:
+            _hma_disabled(rep, model)
+            return rep
         if model is not None:
             rep.model = model.describe()
             if not hma and model.needs_hma:
@@ -119,7 +162,16 @@ def diagnose(raw: Any, model: ModelKV | None = None) -> Report:
                 "supports_hma": spec.supports_hma,
             }
         )
-    _hma(rep, ktc.kv_connector, cfg.non_hma_children(), model, HMA_FIX)
+    if disable_hma:
+        _hma_disabled(rep, model)
+    else:
+        _hma(rep, ktc.kv_connector, cfg.non_hma_children(), model, HMA_FIX)
+    _host_tier(
+        rep,
+        [spec.cls for spec in cfg.children],
+        not disable_hma and KVConnectorFactory.supports_hma_config(ktc),
+        model,
+    )
     try:
         vcfg = VllmConfig(kv_transfer_config=ktc, device_config=DeviceConfig(device="cpu"))
         rep.kv_cache_layout = KvmuxConnector.get_required_kvcache_layout(vcfg) or "any"
@@ -130,6 +182,39 @@ def diagnose(raw: Any, model: ModelKV | None = None) -> Report:
     return rep
 
 
+def _host_tier(rep: Report, classes: list[type], hma_on: bool, model: ModelKV | None) -> None:
+    """What ``KvmuxHostCache`` (if the config has it) stores for the model."""
+    from kvmux.cli.model_kv import CHUNKED, FULL, SLIDING, STATE
+    from kvmux.host_cache.connector import KvmuxHostCache
+
+    if not any(isinstance(c, type) and issubclass(c, KvmuxHostCache) for c in classes):
+        return
+    stores = {
+        FULL: "every full block",
+        SLIDING: "only the window before each resume point",
+        CHUNKED: "only the chunk before each resume point",
+    }
+    if not hma_on:
+        rep.host_tier = (
+            "KvmuxHostCache supports HMA, but it is off here: vLLM gives every attention "
+            "layer one KV cache group, and the tier stores every full block of every layer"
+        )
+    elif model is None:
+        each = "; ".join(f"{k} layers: {v}" for k, v in stores.items())
+        rep.host_tier = f"KvmuxHostCache supports HMA: it stores every KV cache group, {each}"
+    else:
+        kinds = [f"{n} {k} layers: {stores[k]}" for k, n in model.layers.items() if k in stores]
+        rep.host_tier = "KvmuxHostCache supports HMA; for this model it stores " + (
+            "; ".join(kinds) or "nothing"
+        )
+    if model is not None and STATE in model.layers:
+        rep.problems.append(
+            f"model {model.path} ({model.describe()}) has state-space layers; KvmuxHostCache "
+            "stores attention KV only and refuses their KV cache group at start-up: remove "
+            "KvmuxHostCache from the connectors for this model"
+        )
+
+
 def _needs_hma(model: ModelKV, missing: list[str]) -> str:
     return (
         f"model {model.path} ({model.describe()}) has state-space layers, which vLLM runs "
@@ -137,6 +222,18 @@ def _needs_hma(model: ModelKV, missing: list[str]) -> str:
         "them, kvmux refuses a model of several KV cache groups and vLLM turns HMA off); "
         "use only children that support HMA for this model"
     )
+
+
+def _hma_disabled(rep: Report, model: ModelKV | None) -> None:
+    rep.hma = "off: --disable-hybrid-kv-cache-manager is given"
+    if model is None:
+        return
+    rep.model = model.describe()
+    if model.needs_hma:
+        rep.problems.append(
+            f"model {model.path} ({model.describe()}) has state-space layers, which vLLM runs "
+            "only with the hybrid KV cache manager on; drop --disable-hybrid-kv-cache-manager"
+        )
 
 
 def _hma(
@@ -188,11 +285,60 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"kvmux doctor: cannot read the model ({e})")
             return 2
-    rep = diagnose(raw, model)
+    rep = diagnose(raw, model, disable_hma=args.disable_hma)
+    if args.peer is not None:
+        try:
+            peer_raw = _load(args.peer)
+        except (OSError, ValueError) as e:
+            print(
+                f"kvmux doctor: cannot read the --peer config ({e}); give a JSON object or a file"
+            )
+            return 2
+        diagnose_pair(rep, raw, peer_raw, model, args.disable_hma, args.peer_disable_hma)
     if args.json:
-        print(json.dumps({**rep.__dict__, "ok": rep.ok}, indent=2))
+        print(json.dumps(rep.as_dict(), indent=2))
         return 0 if rep.ok else 1
-    print(f"connector: {rep.connector}")
+    _print(rep, "prefill: " if rep.peer is not None else "")
+    if rep.peer is not None:
+        _print(rep.peer, "decode (--peer): ")
+        print("prefill/decode pair:")
+        for line in rep.pair:
+            print(f"  {line}")
+        for p in rep.pair_problems:
+            print(f"problem: {p}")
+    problems = len(rep.problems) + len(rep.pair_problems)
+    problems += len(rep.peer.problems) if rep.peer is not None else 0
+    print("OK" if rep.ok else f"{problems} problem(s) found")
+    return 0 if rep.ok else 1
+
+
+def diagnose_pair(
+    rep: Report,
+    raw: Any,
+    peer_raw: Any,
+    model: ModelKV | None = None,
+    disable_hma: bool = False,
+    peer_disable_hma: bool = False,
+) -> Report:
+    """Add to ``rep`` (the prefill's report) the decode's report and what the
+    pair must agree on (``kvmux.cli.pd_pair``); returns ``rep``."""
+    from kvmux.cli.pd_pair import check_pair, describe_side
+
+    rep.peer = diagnose(peer_raw, model, disable_hma=peer_disable_hma)
+    if rep.problems or rep.peer.problems or not rep.children or not rep.peer.children:
+        rep.pair.append("not compared: fix each side's own problems first")
+        return rep
+    prefill = describe_side("prefill", raw, disable_hma)
+    decode = describe_side("decode", peer_raw, peer_disable_hma)
+    notes, problems, warnings = check_pair(prefill, decode)
+    rep.pair.extend(notes)
+    rep.pair_problems.extend(problems)
+    rep.warnings.extend(warnings)
+    return rep
+
+
+def _print(rep: Report, head: str) -> None:
+    print(f"{head}connector: {rep.connector}")
     for c in rep.children:
         hma = "HMA" if c["supports_hma"] else "no HMA"
         print(f"  child {c['name']}: {c['class']} ({hma})")
@@ -200,11 +346,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybrid KV cache manager: {rep.hma}")
     if rep.model:
         print(f"model: {rep.model}")
+    if rep.host_tier:
+        print(f"host tier: {rep.host_tier}")
     if rep.kv_cache_layout:
         print(f"KV cache layout required: {rep.kv_cache_layout}")
     for w in rep.warnings:
         print(f"warning: {w}")
     for p in rep.problems:
         print(f"problem: {p}")
-    print("OK" if rep.ok else f"{len(rep.problems)} problem(s) found")
-    return 0 if rep.ok else 1
