@@ -256,7 +256,6 @@ BAD_CONFIGS = [
         True,
         [
             "ScriptedConnector",
-            "KvmuxHostCache",
             "2 KV cache groups",
             "--disable-hybrid-kv-cache-manager",
             '"MultiConnector"',
