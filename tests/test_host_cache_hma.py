@@ -569,3 +569,81 @@ def test_host_pool_groups_share_host_tensors_and_copy_only_their_layers():
 def test_host_pool_refuses_a_group_whose_layers_were_not_registered():
     with pytest.raises(UnsupportedKVLayout, match="group 1's layers"):
         HostPool(_overlaid(), num_blocks=8, num_slots=4, groups=[[LAYERS[0]], ["nope"]])
+
+
+# ----------------------------------------------------------------- doctor
+
+HOST_DICT = {
+    "kv_connector": "KvmuxHostCache",
+    "kv_connector_module_path": "kvmux",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"capacity_gib": 2},
+}
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 6,
+    "sliding_window": 512,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+}
+
+
+def _model(tmp_path: Any, cfg: dict[str, Any]) -> Any:
+    import json
+
+    from kvmux.cli.model_kv import read_model_kv
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return read_model_kv(tmp_path)
+
+
+def test_doctor_reports_hma_support_and_what_the_tier_stores_per_layer_kind(tmp_path):
+    from kvmux.cli.doctor import diagnose
+
+    rep = diagnose(HOST_DICT)
+    assert rep.ok and rep.children[0]["supports_hma"] is True
+    assert "vLLM keeps the hybrid KV cache manager on" in rep.hma
+    assert "KvmuxHostCache supports HMA" in rep.host_tier
+    rep = diagnose(HOST_DICT, _model(tmp_path, GEMMA3_CONFIG))
+    assert rep.ok, rep.problems
+    assert rep.host_tier == (
+        "KvmuxHostCache supports HMA; for this model it stores 5 sliding_attention layers: "
+        "only the window before each resume point; 1 full_attention layers: every full block"
+    )
+
+
+def test_doctor_under_kvmux_with_hma_children_serves_a_hybrid_model(tmp_path):
+    from kvmux.cli.doctor import diagnose
+
+    cfg = {
+        "kv_connector": "KvmuxConnector",
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [HOST_DICT, HMA_CHILD]},
+    }
+    rep = diagnose(cfg, _model(tmp_path, GEMMA3_CONFIG))
+    assert rep.ok, rep.problems
+    assert "every child supports it" in rep.hma
+    assert "sliding_attention layers: only the window" in rep.host_tier
+
+
+def test_doctor_says_the_tier_refuses_state_space_layers(tmp_path):
+    from kvmux.cli.doctor import diagnose
+
+    jamba = {
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        "num_hidden_layers": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+    }
+    rep = diagnose(HOST_DICT, _model(tmp_path, jamba))
+    (problem,) = rep.problems
+    assert "state-space layers" in problem and "remove KvmuxHostCache" in problem
+
+
+def test_doctor_with_hma_off_says_the_tier_stores_every_block(tmp_path):
+    from kvmux.cli.doctor import diagnose
+
+    rep = diagnose(HOST_DICT, _model(tmp_path, GEMMA3_CONFIG), disable_hma=True)
+    assert "stores every full block of every layer" in rep.host_tier
