@@ -9,11 +9,14 @@ prefix, so every loaded block can be checked byte for byte.
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
@@ -539,6 +542,91 @@ def test_a_model_of_one_sliding_window_group_loads_only_its_window(sims):
             )
     d.run()
     assert_clean(d.host())
+
+
+# ------------------------------------------------- random lifecycles (hypothesis)
+
+FUZZ_PREFIXES = [[2000 * p + t for t in range(6 * BLOCK_SIZE)] for p in range(2)]
+
+lifecycle = st.lists(
+    st.tuples(
+        st.fixed_dictionaries(
+            {
+                "prefix": st.integers(0, 1),
+                "shared": st.sampled_from([0, 2, 3, 5, 6]),  # blocks of the prefix
+                "suffix": st.integers(1, 40),
+                "max_tokens": st.integers(1, 12),
+            }
+        ),
+        st.lists(
+            st.sampled_from(["step", "step", "step", "abort", "reset_prefix", "reset_prefix"]),
+            min_size=1,
+            max_size=4,
+        ),
+    ),
+    min_size=4,
+    max_size=12,
+)
+
+
+def _assert_device_kv_exact(d: HybridSim) -> None:
+    """Every computed token of every running request has its KV, in every
+    group block vLLM holds for it (loaded or computed), byte for byte."""
+    for req in d.scheduler.running:
+        n = req.num_computed_tokens
+        values = _values(req.all_token_ids[:n])
+        for g, layers in enumerate(GROUP_LAYERS):
+            ids = d.block_ids(req.request_id, g)
+            for pos in range(n):
+                bid = ids[pos // BLOCK_SIZE]
+                if bid == NULL_BLOCK_ID:
+                    continue
+                for layer in layers:
+                    want = values[pos] + LAYERS.index(layer)
+                    got = d.kv_caches[layer][bid, :, pos % BLOCK_SIZE, :]
+                    assert bool((got == want).all()), (req.request_id, g, pos, layer)
+
+
+@given(events=lifecycle, host_blocks=st.integers(6, 40))
+@settings(
+    max_examples=int(os.environ.get("KVMUX_FUZZ_EXAMPLES", "30")),
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_random_hybrid_lifecycles_load_exact_kv_and_leave_nothing_behind(events, host_blocks):
+    """Arrivals sharing prefixes, steps, aborts and prefix-cache resets, with
+    a small device cache (preemptions) and a small tier (evictions): after
+    every step the KV vLLM holds for each running request is exact in both
+    groups (so every load from the tier was), the index is consistent and
+    within capacity; at the end nothing is pinned, writing or live."""
+    d = HybridSim(host_cache(num_blocks=host_blocks), kv_cache_config=gemma_like_config(22))
+    try:
+        host = d.host()
+        for i, (add, ops) in enumerate(events):
+            prefix = FUZZ_PREFIXES[add["prefix"]][: add["shared"] * BLOCK_SIZE]
+            d.add(f"r{i}", prefix + [7000 + i] * add["suffix"], max_tokens=add["max_tokens"])
+            for op in ops:
+                if op == "step":
+                    d.step()
+                    _assert_device_kv_exact(d)
+                elif op == "abort" and d.scheduler.requests:
+                    victim = sorted(d.scheduler.requests)[i % len(d.scheduler.requests)]
+                    d.scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+                elif op == "reset_prefix":
+                    d.scheduler.reset_prefix_cache()
+                host.scheduler.index.check()
+                st_ = host.index_stats()
+                assert st_["ready"] + st_["writing"] <= st_["capacity"]
+        for _ in range(400):
+            if not d.scheduler.requests:
+                break
+            d.step()
+            _assert_device_kv_exact(d)
+        assert not d.scheduler.requests
+        assert_clean(host)
+    finally:
+        d.close()
 
 
 # ------------------------------------------------------ the copy path (torch)

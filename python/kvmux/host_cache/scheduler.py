@@ -118,6 +118,8 @@ class HostCacheScheduler:
         self.index = HostIndex(num_slots, len(self.windows))
         self.num_workers = num_workers
         self._multi = len(self.windows) > 1
+        # Per-group stats for any layout but the plain one (one full group).
+        self._per_group = self._multi or self.windows[0] is not None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._finished_async: list[str] = []
@@ -208,25 +210,34 @@ class HostCacheScheduler:
             return
         bs = self.block_size
         start, n = st.lookup_computed // bs, num_external_tokens // bs
+        keys = self.keys(request, start, start + n)
         all_ids = blocks.get_block_ids()
         jobs: list[LoadJob] = []
-        missing: list[int] = []
+        failed = len(keys) < n
         for g, window in enumerate(self.windows):
             first, slots = offer[g] if offer else (start, [])
             ids = all_ids[g][start : start + n]
-            pairs = []  # (slot, device block)
+            failed |= len(ids) < n
+            pairs: list[tuple[int, int]] = []  # (slot, device block)
+            extra: list[int] = []  # positions the offer does not cover
             for i, block in enumerate(ids):
                 if block == NULL_BLOCK_ID and window is not None:
-                    continue
+                    continue  # before the window: vLLM reads nothing there
                 j = start + i - first
                 if 0 <= j < len(slots):
                     pairs.append((slots[j], block))
                 else:
-                    missing.append(block)
+                    extra.append(i)
             used = {slot for slot, _ in pairs}
             self.index.unpin([s for s in slots if s not in used])
-            if len(ids) < n:
-                missing.append(-1)
+            if extra and not failed:
+                # Not offered (vLLM allocates what the lookup answered, so
+                # this is a safety net): pin them now if they are ready.
+                more = self.index.pin_ready([keys[i] for i in extra], g)
+                if more is None:
+                    failed = True
+                else:
+                    pairs.extend(zip(more, (ids[i] for i in extra), strict=True))
             if pairs:
                 jobs.append(
                     LoadJob(
@@ -236,27 +247,28 @@ class HostCacheScheduler:
                         g,
                     )
                 )
-        if missing:
-            self._load_not_offered(request, jobs, [b for b in missing if b >= 0])
+        if failed:
+            self._load_not_offered(request, jobs, all_ids, start, n)
             return
         self.stats.add("loaded_tokens", num_external_tokens)
-        if self._multi:
-            for job in jobs:
-                self.stats.add(f"group{job.group}.loaded_blocks", len(job.blocks))
         st.loaded_tokens += num_external_tokens
         for job in jobs:
             st.loaded_per_group[job.group] += len(job.blocks)
+            if self._per_group:
+                self.stats.add(f"group{job.group}.loaded_blocks", len(job.blocks))
         self._loads.extend(jobs)
 
-    def _load_not_offered(self, request: Request, jobs: list[LoadJob], extra: list[int]) -> None:
-        """vLLM asked for blocks the lookup did not offer (it never does:
-        vLLM allocates what the lookup answered, in the same step). With one
-        KV cache group, report them all as load errors: vLLM recomputes
-        them. With several, vLLM cannot map block-level errors back to
-        requests, and loading part of a prefix would corrupt it: refuse."""
+    def _load_not_offered(
+        self, request: Request, jobs: list[LoadJob], all_ids: Any, start: int, n: int
+    ) -> None:
+        """Some blocks vLLM allocated for the tier to fill are not in the
+        tier. With one KV cache group, every block to load is reported as a
+        load error, and vLLM recomputes them. With several, vLLM cannot map
+        block-level errors back to requests, and loading part of a prefix
+        would corrupt it: refuse (the lookup pins what it offers, so this
+        takes vLLM allocating what the lookup did not answer)."""
         for job in jobs:
             self.index.unpin(list(job.slots))
-        failed = [b for job in jobs for b in job.blocks] + extra
         if self._multi:
             raise RuntimeError(
                 f"KvmuxHostCache: vLLM allocated blocks for request {request.request_id!r} "
@@ -264,6 +276,7 @@ class HostCacheScheduler:
                 f"{len(self.windows)} KV cache groups, where vLLM cannot recompute failed "
                 "blocks; this is a bug in kvmux or an unsupported vLLM version: please report it"
             )
+        failed = [b for ids in all_ids for b in ids[start : start + n] if b != NULL_BLOCK_ID]
         self.stats.add("load_errors", len(failed))
         self._loads.append(LoadJob(request.request_id, (), tuple(failed), failed=True))
 
@@ -351,7 +364,7 @@ class HostCacheScheduler:
                 self._save_acks[s] = left - n
         if done:
             self.stats.add("stored_blocks", self.index.commit(done))
-            if self._multi:
+            if self._per_group:
                 for g, n in groups.items():
                     self.stats.add(f"group{g}.stored_blocks", n)
         unpin = []
@@ -407,7 +420,7 @@ class HostCacheScheduler:
             "loaded_tokens": st.loaded_tokens if st else 0,
             "saved_blocks": st.saved_blocks_new if st else 0,
         }
-        if self._multi:
+        if self._per_group:
             out["groups"] = [
                 {
                     "kind": kind,
