@@ -30,10 +30,29 @@ def _host_tier_wiped(llm: Any) -> int:
     return host.scheduler.index.clear_unpinned()
 
 
+def _llvmlite_safe_for_the_kernel_scan() -> None:
+    """vLLM 0.32's CPU platform scans every module in ``sys.modules`` when
+    its worker starts and reads ``vars()`` of each value with a ``__dict__``;
+    llvmlite's ``ffi.lib`` fabricates one through ``__getattr__`` and the scan
+    fails (``'_lib_fn_wrapper' object has no attribute 'get'``). LMCache
+    imports llvmlite (through numba), and under the ``MultiConnector`` name
+    with HMA-capable children vLLM imports every child class to decide the
+    hybrid KV cache manager, before this in-process engine core starts its
+    worker. ``vllm serve`` runs the engine core in a process of its own, where
+    the README's LMCache block starts as written (measured); here the scan is
+    given a real, empty ``__dict__`` entry for that object."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    ffi.lib._fntab.setdefault("__dict__", {})
+
+
 def main(model_dir: str, config_json: str, block_size: int, wipe: bool) -> dict[str, Any]:
     from engine_runs import WORKLOAD
 
     engine.prepare_env(multiprocess=False)
+    _llvmlite_safe_for_the_kernel_scan()
     llm = engine.make_llm(model_dir, json.loads(config_json), block_size=block_size)
     out: dict[str, Any] = {
         "hma_on": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
