@@ -103,6 +103,16 @@ IN_THE_ENGINE = {
     # ...and LMCacheMPConnector has it, as the host tier does: on.
     "lmcache": True,
 }
+#: The prefill/decode blocks ("Prefill/decode disaggregation with NIXL"), each
+#: started by the P/D suite (``tests/pd``) as one instance of a pair of engines
+#: moving KV over NIXL: ID -> (role, transfer mode).
+PD_CONFIGS = {
+    "pd-prefill": ("prefill", "pull"),
+    "pd-decode": ("decode", "pull"),
+    "pd-decode-nixl": ("decode", "pull"),
+    "pd-prefill-push": ("prefill", "push"),
+    "pd-decode-push": ("decode", "push"),
+}
 #: The blocks with LMCache also run through vLLM 0.33's real scheduler and
 #: workers (``tests/test_readme.py``), where the KV is checked bit for bit.
 ON_THE_SCHEDULER = {"quickstart": True, "lmcache": True}

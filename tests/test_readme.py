@@ -17,6 +17,7 @@ from lmcache_server import time_limit
 from readme_configs import (
     IN_THE_ENGINE,
     ON_THE_SCHEDULER,
+    PD_CONFIGS,
     SUBSTITUTABLE,
     readme_configs,
     substitute,
@@ -29,7 +30,7 @@ README = readme_configs()
 
 def test_every_config_block_is_marked_and_started():
     assert unmarked_blocks() == []
-    assert set(README) == set(IN_THE_ENGINE)
+    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS)
     with_lmcache = {
         i
         for i, c in README.items()

@@ -28,7 +28,13 @@ from engine_runs import WORKLOAD, Runs
 
 from kvmux import engine
 from lmcache_server import LMCacheServer
-from readme_configs import IN_THE_ENGINE, readme_configs, substitute, unmarked_blocks
+from readme_configs import (
+    IN_THE_ENGINE,
+    PD_CONFIGS,
+    readme_configs,
+    substitute,
+    unmarked_blocks,
+)
 
 README = readme_configs()
 HERE = Path(__file__).resolve().parent
@@ -37,7 +43,7 @@ LMCACHE = "LMCacheMPConnector"
 
 def test_every_readme_config_block_is_started_here():
     assert unmarked_blocks() == []
-    assert set(README) == set(IN_THE_ENGINE)
+    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS)
 
 
 def test_the_demo_runs_the_readmes_no_service_example(tmp_path: Path):
