@@ -116,7 +116,7 @@ def _complete(
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={
-            "kv_transfer_params": {"num_extra_cached_tokens": True},
+            "kv_transfer_params": {"num_extra_cached_tokens": True, "host_cache_stats": True},
             "ignore_eos": True,
             "return_token_ids": True,
         },
@@ -183,10 +183,15 @@ def test_completions_through_the_proxy_are_the_single_engines(served: Served):
 def test_the_decode_pulled_what_it_lacked_over_nixl(served: Served):
     """The first prompt of each prefix is pulled whole (148 tokens); the
     second finds the prefix in the decode's own prefix cache and pulls the
-    rest (20 tokens): ``num_extra_cached_tokens`` says so."""
+    rest (20 tokens): ``num_extra_cached_tokens`` says so, and the decode's
+    host tier loaded nothing. The client asks for both on every request; the
+    proxy passes the ask to both servers, so the prefill's NIXL params and
+    its host tier's stats come back merged."""
     with served.decode.shows_log():
         extra = [p["num_extra_cached_tokens"] for p in served.kv_transfer_params]
         assert extra == [148, 148, 20, 20]
+        host = [p["host_cache_stats"]["loaded_tokens"] for p in served.kv_transfer_params]
+        assert host == [0, 0, 0, 0]
 
 
 def test_both_servers_metrics_agree(served: Served):
