@@ -765,5 +765,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;
+    m.add("CHILD_COUNTERS", CHILD_NAMES.to_vec())?;
+    m.add("TOTAL_COUNTERS", TOTAL_NAMES.to_vec())?;
     Ok(())
 }

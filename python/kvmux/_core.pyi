@@ -5,6 +5,11 @@ from collections.abc import Iterable
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 MAX_CHILDREN: int
+CHILD_COUNTERS: list[str]
+"""Names of kvmux's per-child counters, in the core's order (the one source
+of the stats keys, the Prometheus table and the README's metric list)."""
+TOTAL_COUNTERS: list[str]
+"""Names of kvmux's multiplexer-wide counters, in the core's order."""
 
 class MuxCore:
     """Scheduler-side state of one KvmuxConnector: one call per event."""
