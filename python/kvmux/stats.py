@@ -12,8 +12,12 @@ of :class:`KvmuxStats` is plain data::
      "children": {"KvmuxHostCache": {"cls": "module:Class", "data": {...}}}}
 
 ``"kvmux"`` holds kvmux's own counters for the interval (nested dicts of
-ints, summed on aggregation); ``"children"`` each child's own stats, rebuilt
-by that child's stats class, so they survive the process boundary.
+ints, summed on aggregation), named by the Rust core: ``CHILD_COUNTERS``
+under ``"children"``, ``TOTAL_COUNTERS`` beside, the two clash counters
+folded into ``"clashes"`` (:data:`INTERVAL_TOTALS`); ``"children"`` each
+child's own stats, rebuilt by that child's stats class, so they survive the
+process boundary. The ``kvmux_*`` Prometheus counters (:data:`METRICS`) are
+derived from the same names.
 """
 
 from __future__ import annotations
@@ -29,8 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvmux._core import CHILD_COUNTERS, TOTAL_COUNTERS
+
 __all__ = [
+    "CHILD_METRICS",
+    "CLASHES",
+    "FOLDED_INTO_CLASHES",
+    "INTERVAL_TOTALS",
     "METRICS",
+    "TOTAL_METRICS",
     "KvmuxPromMetrics",
     "KvmuxStats",
     "build_child_stats",
@@ -164,68 +175,81 @@ def build_child_stats(
     return out if counters or not out.is_empty() else None
 
 
-# (name of a Prometheus counter, exposed with _total; help; key in the
-# "kvmux" counters; extra label). label "connector": counters["children"][child][key];
-# "policy": counters[key][policy]; None: counters[key].
-METRICS: tuple[tuple[str, str, str, str | None], ...] = (
-    ("kvmux_lookups", "Lookups a child answered with a token count.", "lookups", "connector"),
-    ("kvmux_lookup_hits", "Lookups in which a child reported matched tokens.", "hits", "connector"),
-    (
-        "kvmux_lookup_hit_tokens",
-        "Matched tokens children reported on lookups.",
-        "hit_tokens",
-        "connector",
-    ),
-    ("kvmux_loads", "Requests a child was chosen to load.", "loads", "connector"),
-    (
+#: ``take_interval`` (the stats vLLM collects) folds the core's two clash
+#: counters into one entry keyed by the ``clash_policy``: ``{"clashes":
+#: {"first": 2}}``. A policy either resolves clashes (``first``, ``last``) or
+#: raises on them (``error``, ``strict``), so the policy says which of the two
+#: counted; the cumulative ``mux_stats()`` keeps the core's two names.
+CLASHES = "clashes"
+FOLDED_INTO_CLASHES = ("clashes_resolved", "clashes_raised")
+
+#: The multiplexer-wide keys of the interval stats, in the core's order: the
+#: core's ``TOTAL_COUNTERS``, the two clash counters folded into ``clashes``.
+INTERVAL_TOTALS: tuple[str, ...] = tuple(
+    dict.fromkeys(CLASHES if name in FOLDED_INTO_CLASHES else name for name in TOTAL_COUNTERS)
+)
+
+#: Prometheus name (exposed with ``_total``) and help of each per-child
+#: counter (label ``connector``), by the core's name (``CHILD_COUNTERS``).
+CHILD_METRICS: dict[str, tuple[str, str]] = {
+    "lookups": ("kvmux_lookups", "Lookups a child answered with a token count."),
+    "hits": ("kvmux_lookup_hits", "Lookups in which a child reported matched tokens."),
+    "hit_tokens": ("kvmux_lookup_hit_tokens", "Matched tokens children reported on lookups."),
+    "loads": ("kvmux_loads", "Requests a child was chosen to load."),
+    "load_tokens": (
         "kvmux_loaded_tokens",
         "External tokens allocated for the chosen child to load.",
-        "load_tokens",
-        "connector",
     ),
-    (
-        "kvmux_async_saves",
-        "Finished requests a child saved asynchronously.",
-        "async_saves",
-        "connector",
-    ),
-    (
+    "async_saves": ("kvmux_async_saves", "Finished requests a child saved asynchronously."),
+    "contained_errors": (
         "kvmux_contained_errors",
         "Failures of a child on requests it never took part in, contained by kvmux.",
-        "contained_errors",
-        "connector",
     ),
-    ("kvmux_finished_requests", "Requests finished through kvmux.", "finished", None),
-    (
+}
+
+#: The same for the multiplexer-wide counters (no label; ``clashes``: label
+#: ``policy``), by their key in the interval stats (``INTERVAL_TOTALS``).
+TOTAL_METRICS: dict[str, tuple[str, str]] = {
+    "finished": ("kvmux_finished_requests", "Requests finished through kvmux."),
+    "extra_cached_tokens": (
         "kvmux_extra_cached_tokens",
         "num_extra_cached_tokens reported: tokens loaded beyond vLLM's local prefix cache.",
-        "extra_cached_tokens",
-        None,
     ),
-    (
+    CLASHES: (
         "kvmux_param_clashes",
         "kv_transfer_params keys returned by two children, by clash_policy.",
-        "clashes",
-        "policy",
     ),
-    (
+    "extra_async_saves": (
         "kvmux_extra_async_saves",
         "Extra async-save completions workers waited for (k - 1 for k saving children).",
-        "extra_async_saves",
-        None,
     ),
-    (
+    "finished_sending": (
         "kvmux_finished_sending",
         "Requests reported finished sending after all their async saves, summed over workers.",
-        "finished_sending",
-        None,
     ),
-    (
+    "load_failed_blocks": (
         "kvmux_load_failed_blocks",
         "KV blocks children failed to load (vLLM recomputes them), summed over workers.",
-        "load_failed_blocks",
-        None,
     ),
+}
+
+
+def _described(table: Mapping[str, tuple[str, str]], key: str) -> tuple[str, str]:
+    # A counter the core has but the table does not describe is still
+    # exported (tests/test_counter_names.py fails until it is described).
+    return table.get(key) or (f"kvmux_{key}", f"kvmux counter {key}.")
+
+
+#: Every ``kvmux_*`` Prometheus counter, derived from the core's counter
+#: names: (name, help, key in the ``"kvmux"`` counters, extra label). Label
+#: ``"connector"``: ``counters["children"][child][key]``; ``"policy"``:
+#: ``counters[key][policy]``; None: ``counters[key]``.
+METRICS: tuple[tuple[str, str, str, str | None], ...] = tuple(
+    [(*_described(CHILD_METRICS, key), key, "connector") for key in CHILD_COUNTERS]
+    + [
+        (*_described(TOTAL_METRICS, key), key, "policy" if key == CLASHES else None)
+        for key in INTERVAL_TOTALS
+    ]
 )
 
 
