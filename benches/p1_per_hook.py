@@ -10,7 +10,7 @@ import random
 import time
 
 from kvmux.bench import lifecycle
-from kvmux.sim import BLOCK_SIZE
+from kvmux.bench.sim import BLOCK_SIZE
 
 
 def main() -> None:

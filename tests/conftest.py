@@ -9,13 +9,10 @@ in either runs the right one (``scripts/test.sh`` runs both)."""
 from __future__ import annotations
 
 import os
-import sys
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -32,18 +29,18 @@ collect_ignore_glob = ["test_*.py"] if VLLM_CPU else ["e2e"]
 
 if not VLLM_CPU:
     # The real LMCache MP server (tests/lmcache_server.py) for the vLLM 0.33 suite.
-    from lmcache_server import lmcache_server, model_dir, own_lmcache_server  # noqa: F401
+    from tests.lmcache_server import lmcache_server, model_dir, own_lmcache_server  # noqa: F401
 
 
 @pytest.fixture
 def driver_factory():
-    import harness
+    from tests import harness
 
     return harness.SchedulerSim
 
 
 @pytest.fixture
 def h():
-    import harness
+    from tests import harness
 
     return harness

@@ -5,7 +5,7 @@ started as a subprocess in its own process group on a free 127.0.0.1 port,
 with usage tracking off and ``--disable-metrics`` (otherwise it binds a
 Prometheus port on all interfaces). It is stopped by its pid and process
 group, never by name. Its chunk size equals the vLLM block size (16, that of
-:mod:`kvmux.sim`, unless given), as LMCache requires.
+:mod:`kvmux.bench.sim`, unless given), as LMCache requires.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class LMCacheServer:
 
     def __init__(self, log_path: Path, port: int | None = None, chunk_size: int = 16) -> None:
         self.port = port or free_port()
-        self.chunk_size = chunk_size  # must be vLLM's block size (kvmux.sim's: 16)
+        self.chunk_size = chunk_size  # must be vLLM's block size (kvmux.bench.sim.BLOCK_SIZE: 16)
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -152,31 +152,6 @@ class ScriptedConnector(KVConnectorBase_V1):
         return failed
 
 
-class NoopConnector(KVConnectorBase_V1):
-    """A child whose every hook is the do-nothing default (a pure observer)."""
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
-        """Nothing to save."""
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        return
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return ScriptedMetadata([])
-
-
 class ScriptedHMAConnector(ScriptedConnector, SupportsHMA):
     """The same, declaring hybrid-memory-allocator support."""
 

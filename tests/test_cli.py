@@ -16,7 +16,7 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
 
 
 def test_scheduler_demo_shows_host_tier_hits_merged_params_and_async_saves():
-    proc = run("-m", "kvmux", "demo-scheduler", "--requests", "6")
+    proc = run("-m", "tests.demo_scheduler", "--requests", "6")
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "KvmuxHostCache" in out and "ExampleConnector" in out
@@ -41,10 +41,12 @@ def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path):
     assert res["d2h_ratio"] > 0 and res["h2d_ratio"] > 0
 
 
-def test_help_lists_the_engine_demo_and_the_scheduler_demo():
+def test_help_lists_the_engine_demo_doctor_and_bench():
     proc = run("-m", "kvmux", "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "demo-scheduler" in proc.stdout and "real vLLM engine" in proc.stdout
+    assert "real vLLM engine" in proc.stdout
+    assert "doctor" in proc.stdout and "bench" in proc.stdout
+    assert "demo-scheduler" not in proc.stdout  # test scaffolding: tests/demo_scheduler.py
 
 
 def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):

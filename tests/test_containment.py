@@ -11,8 +11,8 @@ import logging
 import pytest
 from vllm.v1.request import RequestStatus
 
-from harness import mux_config, scripted
 from kvmux import KvmuxChildError
+from tests.harness import mux_config, scripted
 
 PROMPT = list(range(100, 164))
 ASK = {"num_extra_cached_tokens": True}

@@ -11,8 +11,16 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 import kvmux
-from harness import child, mux_config, scripted, upstream_config, vllm_config
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxParamClash
+from tests.harness import (
+    NOOP,
+    SCRIPTED,
+    child,
+    mux_config,
+    scripted,
+    upstream_config,
+    vllm_config,
+)
 
 SCHED = KVConnectorRole.SCHEDULER
 
@@ -23,7 +31,7 @@ def build(children, role=SCHED, **extra):
 
 
 def _kvc():
-    from harness import kv_cache_config
+    from tests.harness import kv_cache_config
 
     return kv_cache_config()
 
@@ -89,7 +97,7 @@ def test_children_of_one_class_get_distinct_names():
                     {
                         "kv_connector": "ScriptedConnector",
                         "kv_role": "boss",
-                        "kv_connector_module_path": "scripted",
+                        "kv_connector_module_path": SCRIPTED,
                     }
                 ]
             },
@@ -129,12 +137,12 @@ def test_every_config_problem_is_reported_at_once():
 
 
 def test_children_inherit_the_parent_role_when_they_name_none():
-    conn = build([{"kv_connector": "ScriptedConnector", "kv_connector_module_path": "scripted"}])
+    conn = build([{"kv_connector": "ScriptedConnector", "kv_connector_module_path": SCRIPTED}])
     assert conn.children[0]._kv_transfer_config.kv_role == "kv_both"
 
 
 def test_a_child_that_fails_to_start_is_named_and_the_others_are_shut_down(monkeypatch):
-    import scripted as sc
+    from tests import scripted as sc
 
     shut = []
     monkeypatch.setattr(sc.ScriptedConnector, "shutdown", lambda self: shut.append(self))
@@ -202,7 +210,7 @@ def test_error_policy_raises_naming_the_key_and_both_children(h):
     conn = build(
         [
             scripted(params={"k": 1}),
-            child("NoopConnector", module="scripted"),
+            child("NoopConnector", module=NOOP),
             scripted(params={"k": 2}),
         ]
     )
@@ -280,7 +288,7 @@ def test_finishing_a_request_never_seen_or_twice_is_safe(h):
 
 
 def test_per_layer_hooks_call_only_children_that_do_something():
-    noop = child("NoopConnector", module="scripted")
+    noop = child("NoopConnector", module=NOOP)
     worker = build([noop, scripted(layer_work=True), noop], role=KVConnectorRole.WORKER)
     working = worker.children[1]
     # The single working child's hook is called directly, no wrapper.

@@ -10,7 +10,7 @@ import pytest
 
 from kvmux.cli.doctor import diagnose
 from kvmux.cli.model_kv import read_model_kv
-from test_faults import BAD_CONFIGS
+from tests.test_faults import BAD_CONFIGS
 
 HOST = {
     "kv_connector": "KvmuxHostCache",

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvmux.cli.doctor import diagnose, diagnose_pair
-from readme_configs import PD_CONFIGS, readme_configs
+from tests.readme_configs import PD_CONFIGS, readme_configs
 
 README = readme_configs()
 NIXL_P = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}

@@ -15,7 +15,9 @@ import pytest
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from harness import (
+from kvmux import KvmuxChildError, KvmuxConfigError, KvmuxConnector
+from tests.harness import (
+    NOOP,
     child,
     hybrid_kv_cache_config,
     kv_cache_config,
@@ -23,7 +25,6 @@ from harness import (
     scripted,
     vllm_config,
 )
-from kvmux import KvmuxChildError, KvmuxConfigError, KvmuxConnector
 
 SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
 
@@ -54,9 +55,9 @@ def test_a_child_raising_on_a_request_is_named_and_kvmux_forgets_the_request(h, 
 @pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_save", "get_finished"])
 def test_a_child_raising_in_a_worker_hook_is_named(hook):
     from kvmux.metadata import KvmuxMetadata
-    from scripted import ScriptedMetadata
+    from tests.scripted import ScriptedMetadata
 
-    w = build([child("NoopConnector", module="scripted"), scripted(fail=hook)], role=WORKER)
+    w = build([child("NoopConnector", module=NOOP), scripted(fail=hook)], role=WORKER)
     w.bind_connector_metadata(KvmuxMetadata(children=(ScriptedMetadata([]),) * 2))
     # vLLM 0.33 collects completions through get_transfer_results (which calls
     # the child's get_finished).
@@ -125,7 +126,7 @@ def test_malformed_finish_results_are_refused_naming_the_child(h, result, words)
 HOST = {"kv_connector": "KvmuxHostCache", "kv_connector_module_path": "kvmux", "kv_role": "kv_both"}
 SCR = {
     "kv_connector": "ScriptedConnector",
-    "kv_connector_module_path": "scripted",
+    "kv_connector_module_path": "tests.scripted",
     "kv_role": "kv_both",
 }
 
@@ -288,14 +289,12 @@ def test_bad_config_matrix_is_refused_at_construction(case, extra, hma, words):
 
 def test_bad_config_matrix_is_refused_the_same_under_python_O():
     """Each case raises the same message with asserts stripped."""
-    tests = Path(__file__).parent
-    script = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {str(tests)!r})
+    script = textwrap.dedent("""
+        import json
         if __debug__:
             raise SystemExit("not under -O")
-        from test_faults import BAD_CONFIGS, construct
-        out = {{}}
+        from tests.test_faults import BAD_CONFIGS, construct
+        out = {}
         for case, extra, hma, _ in BAD_CONFIGS:
             try:
                 construct(extra, hma)
@@ -305,7 +304,11 @@ def test_bad_config_matrix_is_refused_the_same_under_python_O():
         print("RESULT" + json.dumps(out))
     """)
     proc = subprocess.run(
-        [sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=600
+        [sys.executable, "-O", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],  # the repository root: the tests package
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.split("RESULT", 1)[1])

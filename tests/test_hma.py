@@ -18,7 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, S
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 import kvmux
-from harness import (
+from kvmux import KvmuxConfigError, KvmuxConnector
+from tests.harness import (
+    SCRIPTED,
     SchedulerSim,
     child,
     hybrid_kv_cache_config,
@@ -28,10 +30,9 @@ from harness import (
     scripted,
     vllm_config,
 )
-from kvmux import KvmuxConfigError, KvmuxConnector
 
 ROLES = [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER]
-HMA_CHILD = child("ScriptedHMAConnector", module="scripted")
+HMA_CHILD = child("ScriptedHMAConnector", module=SCRIPTED)
 EXAMPLE = child("ExampleConnector", shared_storage_path="/tmp/kvmux-test-example")
 MIXED = [scripted(params={"a": 1}), HMA_CHILD, EXAMPLE]
 

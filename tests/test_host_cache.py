@@ -1,5 +1,5 @@
 """``KvmuxHostCache`` with vLLM's real scheduler and real CPU tensors as the
-paged KV cache (``kvmux.sim``: the model is the one stand-in; its "attention"
+paged KV cache (``tests.harness``: the model is the one stand-in; its "attention"
 writes KV that depends only on the prefix, as real KV does)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
-from harness import BLOCK_SIZE, KVTransferConfig, fake_model_output, mux_config, scripted
 from kvmux import KvmuxConfigError, KvmuxHostCache
 from kvmux._core import HostIndex
 from kvmux.host_cache.transfer import HostPool, UnsupportedKVLayout, contiguous_runs
+from tests.harness import BLOCK_SIZE, KVTransferConfig, fake_model_output, mux_config, scripted
 
 PREFIX = list(range(500, 548))  # 3 full blocks
 

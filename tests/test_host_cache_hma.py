@@ -10,7 +10,6 @@ prefix, so every loaded block can be checked byte for byte.
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 import pytest
@@ -33,19 +32,22 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from harness import (
-    BLOCK_SIZE,
-    HEAD_SIZE,
-    KV_HEADS,
-    KVTransferConfig,
-    SchedulerSim,
-    child,
-    mux_config,
-    vllm_config,
-)
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxHostCache
 from kvmux.host_cache.layout import FULL, NULL_BLOCK_ID, host_layout
 from kvmux.host_cache.transfer import HostPool, UnsupportedKVLayout
+from tests.harness import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    KV_HEADS,
+    SCRIPTED,
+    KVTransferConfig,
+    SchedulerSim,
+    child,
+    kv_values,
+    mux_config,
+    vllm_config,
+    worker_step,
+)
 
 NUM_BLOCKS = 96
 WINDOW = 2 * BLOCK_SIZE  # tokens; a resume point reads ceil((32 - 1) / 16) = 2 blocks
@@ -54,7 +56,7 @@ SWA, FULL_GROUP = 0, 1  # group order as vLLM builds it for Gemma 3
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 GROUP_LAYERS = ([LAYERS[0], LAYERS[2]], [LAYERS[1], LAYERS[3]])
 PREFIX = list(range(500, 500 + 5 * BLOCK_SIZE))  # 5 full blocks
-HMA_CHILD = child("ScriptedHMAConnector", module="scripted")
+HMA_CHILD = child("ScriptedHMAConnector", module=SCRIPTED)
 
 
 def _spec(window: int | None) -> Any:
@@ -110,7 +112,7 @@ def host_child(**extra: Any) -> dict[str, Any]:
 
 
 class HybridSim(SchedulerSim):
-    """:class:`kvmux.sim.SchedulerSim` over a hybrid KV cache: vLLM's
+    """:class:`tests.harness.SchedulerSim` over a hybrid KV cache: vLLM's
     scheduler built with ``kv_cache_config`` and HMA on, one worker whose KV
     caches vLLM's ``allocate_kv_cache`` lays out, and a stand-in model that
     writes each group's layers into that group's blocks."""
@@ -152,7 +154,7 @@ class HybridSim(SchedulerSim):
                 continue
             start = req.num_computed_tokens - n
             ids = mgr.get_block_ids(req_id)
-            for pos, value in enumerate(_values(req.all_token_ids[: start + n])):
+            for pos, value in enumerate(kv_values(req.all_token_ids[: start + n])):
                 if pos < start:
                     continue
                 for g, group_ids in enumerate(ids):
@@ -160,28 +162,13 @@ class HybridSim(SchedulerSim):
         return out
 
     def _run_worker(self, w: Any, kv_caches: Any, so: Any, writes: Any) -> Any:
-        from vllm.forward_context import ForwardContext
-        from vllm.v1.outputs import KVConnectorOutput
+        def forward() -> None:
+            for g, block, offset, value in writes:
+                assert block != NULL_BLOCK_ID, "the model computes into allocated blocks only"
+                for name in self.groups[g]:
+                    kv_caches[name][block, :, offset, :] = value + LAYERS.index(name)
 
-        from kvmux.sim import fake_model_output
-
-        w.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
-        w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
-        for g, block, offset, value in writes:
-            assert block != NULL_BLOCK_ID, "the model computes into allocated blocks only"
-            for name in self.groups[g]:
-                kv_caches[name][block, :, offset, :] = value + LAYERS.index(name)
-        w.wait_for_save()
-        sending, recving = w.get_finished(set(so.finished_req_ids))
-        kv_out = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=recving,
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_stats=w.get_kv_connector_stats(),
-        )
-        w.clear_connector_metadata()
-        return pickle.loads(pickle.dumps(fake_model_output(so, kv_out=kv_out)))
+        return worker_step(w, so, forward)
 
     def block_ids(self, req_id: str, group: int) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
@@ -193,23 +180,13 @@ class HybridSim(SchedulerSim):
 
     @staticmethod
     def expected_block(tokens: list[int], block: int, layer: str) -> torch.Tensor:
-        vals = _values(tokens)[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
+        vals = kv_values(tokens)[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
         v = torch.tensor(vals).view(-1, 1, 1) + LAYERS.index(layer)
         return v.expand(BLOCK_SIZE, KV_HEADS, 2 * HEAD_SIZE)
 
     def host(self) -> KvmuxHostCache:
         c = self.connector
         return c if isinstance(c, KvmuxHostCache) else c.children[0]
-
-
-def _values(tokens: Any) -> list[float]:
-    """The stand-in model's KV value of each position: a hash of the tokens
-    up to it (equal prefixes, equal KV), as ``kvmux.sim`` writes it."""
-    out, h = [], 0
-    for t in tokens:
-        h = (h * 1_000_003 + int(t) + 1) % 2_147_483_647
-        out.append(float(h % 65_521))
-    return out
 
 
 @pytest.fixture
@@ -574,7 +551,7 @@ def _assert_device_kv_exact(d: HybridSim) -> None:
     group block vLLM holds for it (loaded or computed), byte for byte."""
     for req in d.scheduler.running:
         n = req.num_computed_tokens
-        values = _values(req.all_token_ids[:n])
+        values = kv_values(req.all_token_ids[:n])
         for g, layers in enumerate(GROUP_LAYERS):
             ids = d.block_ids(req.request_id, g)
             for pos in range(n):

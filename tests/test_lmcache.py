@@ -2,7 +2,7 @@
 the worker side (real CPU tensors as the paged KV cache) drive
 ``KvmuxConnector`` over LMCache's ``LMCacheMPConnector``, talking to a real
 LMCache MP server on loopback (``tests/lmcache_server.py``), and
-``KvmuxHostCache``. The model is the one stand-in (``kvmux.sim``).
+``KvmuxHostCache``. The model is the one stand-in (``tests.harness``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
-from harness import SchedulerSim, mux_config, upstream_config
 from kvmux import KvmuxChildError
-from lmcache_server import time_limit
+from tests.harness import SchedulerSim, mux_config, upstream_config
+from tests.lmcache_server import time_limit
 
 PREFIX = list(range(300, 348))  # 48 tokens: 3 vLLM blocks = 3 LMCache chunks
 ASK = {"cached_token_stats": True, "num_extra_cached_tokens": True}
@@ -90,6 +91,15 @@ def kv_is_exact(d: SchedulerSim, req_id: str, tokens: list[int]) -> bool:
 def store_prefix(d: SchedulerSim, req_id: str = "A", tokens: list[int] = PREFIX) -> None:
     d.add(req_id, tokens + [1, 2, 3], max_tokens=2)
     run(d)
+
+
+def step_until_computed(d: SchedulerSim, req: Any, num_tokens: int) -> None:
+    """Step until ``req`` has ``num_tokens`` computed (loaded from a tier or
+    recomputed), the engine loop idling between polls; bounded in time."""
+    with time_limit(60):
+        while req.num_computed_tokens < num_tokens:
+            d.step()
+            d.idle()
 
 
 # --------------------------------------------------------------- lookups
@@ -181,10 +191,7 @@ def test_kv_stored_through_lmcache_comes_back_byte_exact_after_a_local_wipe(
     store_prefix(d)
     forget_locally(d)
     b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
-    with time_limit(60):
-        while b.num_computed_tokens < len(PREFIX):
-            d.step()
-            d.idle()
+    step_until_computed(d, b, len(PREFIX))
     # Loaded into other blocks than A's, bit for bit, in every layer.
     assert kv_is_exact(d, "B", PREFIX)
     run(d)
@@ -286,10 +293,8 @@ def test_server_killed_during_a_lookup_the_request_is_computed_locally(
     b = d.add("B", tokens, kv_transfer_params=ASK)
     d.step()  # LMCache's lookup is under way
     own_lmcache_server.kill()
+    step_until_computed(d, b, len(tokens))
     with time_limit(60):
-        while b.num_computed_tokens < len(tokens):
-            d.step()
-            d.idle()
         assert kv_is_exact(d, "B", tokens)  # computed here, nothing loaded
         d.run(max_steps=3000, timeout_s=30)
     assert d.outputs["B"] == [7, 7, 7, 7]
@@ -310,10 +315,8 @@ def test_server_killed_during_a_load_vllm_recomputes_through_its_load_error_path
     tokens = PREFIX + [9] * 5
     b = d.add("B", tokens, kv_transfer_params=ASK)
     kill_when_a_load_is_planned(d, own_lmcache_server)
+    step_until_computed(d, b, len(tokens))
     with time_limit(60):
-        while b.num_computed_tokens < len(tokens):
-            d.step()
-            d.idle()
         assert kv_is_exact(d, "B", tokens)  # recomputed: the KV tensors were zeroed
         d.run(max_steps=3000, timeout_s=30)
     assert d.worker.mux_stats()["load_failed_blocks"] == 3  # passed on to vLLM
@@ -341,10 +344,7 @@ def test_server_restarted_kvmux_recovers(own_lmcache_server, make_sim):
     store_prefix(d, "A2")
     forget_locally(d)
     b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
-    with time_limit(60):
-        while b.num_computed_tokens < len(PREFIX):
-            d.step()
-            d.idle()
+    step_until_computed(d, b, len(PREFIX))
     assert kv_is_exact(d, "B", PREFIX)
     run(d)
     assert d.finished["B"]["num_extra_cached_tokens"] == 48
@@ -416,10 +416,7 @@ def test_aborting_a_request_lmcache_never_saw_leaves_the_engine_serving(lmcache_
     abort(d, "C")
     assert d.connector.mux_stats()["children"][LM]["contained_errors"] == 1
     b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
-    with time_limit(60):
-        while b.num_computed_tokens < len(PREFIX):
-            d.step()
-            d.idle()
+    step_until_computed(d, b, len(PREFIX))
     assert kv_is_exact(d, "B", PREFIX)
     run(d)
     assert d.finished["B"]["num_extra_cached_tokens"] == 48
@@ -433,10 +430,10 @@ def test_the_same_abort_is_contained_under_python_O():
     """The test above, in a fresh ``python -O`` (asserts compiled out, so
     LMCache fails with another error; kvmux guards nothing with assert)."""
     name = "test_aborting_a_request_lmcache_never_saw_leaves_the_engine_serving"
-    test = f"{Path(__file__).name}::{name}"
+    test = f"tests/{Path(__file__).name}::{name}"
     proc = subprocess.run(
         [sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).resolve().parents[1],  # the repository root
         env=dict(os.environ, KVMUX_EXPECT_OPTIMIZE="1"),
         capture_output=True,
         text=True,
@@ -475,7 +472,7 @@ def test_lmcache_beside_a_child_failing_on_a_request_it_took_part_in(lmcache_ser
     the request finished all the same (it keeps no tracker for it)."""
     failing = {
         "kv_connector": "ScriptedConnector",
-        "kv_connector_module_path": "scripted",
+        "kv_connector_module_path": "tests.scripted",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"fail": "request_finished"},
     }

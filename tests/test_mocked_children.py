@@ -14,13 +14,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-from harness import child, kv_cache_config, make_request, mux_config, upstream_config, vllm_config
 from kvmux import KvmuxChildError, KvmuxConnector
 from kvmux._versions import HAS_TRANSFER_RESULTS, TransferResults
-from scripted import MOCKS
+from tests.harness import (
+    child,
+    kv_cache_config,
+    make_request,
+    mux_config,
+    upstream_config,
+    vllm_config,
+)
+from tests.scripted import MOCKS
 
-MOCKED = child("MockedConnector", module="scripted")
-SCRIPTED = child("ScriptedConnector", module="scripted", params={"s": 1})
+MOCKED = child("MockedConnector", module="tests.scripted")
+SCRIPTED = child("ScriptedConnector", module="tests.scripted", params={"s": 1})
 
 
 def build(role: KVConnectorRole, upstream: bool = False):

@@ -7,13 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 SCRIPT = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {tests!r})
     if __debug__:
         raise SystemExit("not running under -O")
-    import harness as h
+    from tests import harness as h
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxParamClash
 
@@ -59,11 +60,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_errors_are_raised_the_same_under_python_O(tmp_path):
-    tests = str(Path(__file__).parent)
-    script = tmp_path / "under_O.py"
-    script.write_text(SCRIPT.format(tests=tests))
+def test_errors_are_raised_the_same_under_python_O():
+    # From the repository root, which holds the tests package (tests.harness).
     proc = subprocess.run(
-        [sys.executable, "-O", str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-O", "-c", SCRIPT.format()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

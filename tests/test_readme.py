@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from vllm.config import KVTransferConfig
 
-from harness import SchedulerSim
 from kvmux.cli.doctor import diagnose
-from lmcache_server import time_limit
-from readme_configs import (
+from tests.harness import SchedulerSim
+from tests.lmcache_server import time_limit
+from tests.readme_configs import (
     IN_THE_ENGINE,
     ON_THE_SCHEDULER,
     PD_CONFIGS,
@@ -23,7 +23,15 @@ from readme_configs import (
     substitute,
     unmarked_blocks,
 )
-from test_lmcache import ASK, PREFIX, child_by_name, forget_locally, kv_is_exact, store_prefix
+from tests.test_lmcache import (
+    ASK,
+    PREFIX,
+    child_by_name,
+    forget_locally,
+    kv_is_exact,
+    step_until_computed,
+    store_prefix,
+)
 
 README = readme_configs()
 
@@ -84,10 +92,7 @@ def test_the_readme_lmcache_config_stores_and_loads_byte_exact(
         store_prefix(d)
         forget_locally(d)
         b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
-        with time_limit(60):
-            while b.num_computed_tokens < len(PREFIX):
-                d.step()
-                d.idle()
+        step_until_computed(d, b, len(PREFIX))
         assert kv_is_exact(d, "B", PREFIX)
         with time_limit(60):
             d.run(max_steps=3000, timeout_s=45)

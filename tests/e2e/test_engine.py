@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_runs import WORKLOAD, Runs
 
-from kvmux.engine import BLOCK_SIZE
+from kvmux.cli.engine import CPU_BLOCK_SIZE as BLOCK_SIZE
+from tests.e2e.engine_runs import WORKLOAD, Runs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """A hybrid model through ``KvmuxHostCache`` in a real engine, with vLLM's
-defaults: the tiny Gemma 3 (``kvmux.tiny_model.tiny_gemma3``: sliding-window
+defaults: the tiny Gemma 3 (``tests/e2e/tiny_gemma3.py``: sliding-window
 layers of a 64-token window beside full attention) has two KV cache groups,
 and vLLM keeps its hybrid KV cache manager on for the host tier, alone (the
 README's "host-tier-alone" block) and under ``KvmuxConnector`` beside
@@ -20,17 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from engine_runs import ASK, WORKLOAD, close_llm
 
-from kvmux import engine
-from readme_configs import readme_configs, substitute
+from kvmux.cli import engine
+from tests.e2e.engine_runs import ASK, WORKLOAD, close_llm, reset_prefix_cache
+from tests.readme_configs import readme_configs, substitute
 
-BLOCK = engine.BLOCK_SIZE  # 32 tokens
+BLOCK = engine.CPU_BLOCK_SIZE  # 32 tokens
 PREFIX_BLOCKS = WORKLOAD.prefix_blocks  # 4: a 128-token shared prefix
 WINDOW_BLOCKS = 2  # ceil((64 - 1) / 32): what a resume point reads of the window group
 HMA_TAGGER = {
     "kv_connector": "HMATaggingConnector",
-    "kv_connector_module_path": "hma_tagging_connector",
+    "kv_connector_module_path": "tests.e2e.hma_tagging_connector",
     "kv_role": "kv_both",
 }
 
@@ -52,7 +52,7 @@ def _run(model: str, config: dict[str, Any] | None) -> Run:
         prompts = WORKLOAD.prompts()
         ask = ASK if config else None
         first = engine.run_pass(llm, prompts, WORKLOAD.max_tokens, ask)
-        if not engine.reset_prefix_cache(llm):
+        if not reset_prefix_cache(llm):
             raise RuntimeError("vLLM did not reset its prefix cache")
         second = engine.run_pass(llm, prompts, WORKLOAD.max_tokens, ask)
         stats: list[dict[str, Any]] = []
@@ -72,7 +72,7 @@ def _run(model: str, config: dict[str, Any] | None) -> Run:
 
 @pytest.fixture(scope="module")
 def gemma() -> str:
-    from kvmux.tiny_model import tiny_gemma3
+    from tests.e2e.tiny_gemma3 import tiny_gemma3
 
     return str(tiny_gemma3())
 

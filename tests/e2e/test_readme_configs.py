@@ -16,7 +16,6 @@ from LMCache. Every pass is token-identical to an engine with no connector.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import WORKLOAD, Runs
 
-from kvmux import engine
-from lmcache_server import LMCacheServer
-from readme_configs import (
+from kvmux.cli import engine
+from tests.e2e.engine_runs import WORKLOAD, Runs
+from tests.lmcache_server import LMCacheServer
+from tests.readme_configs import (
     IN_THE_ENGINE,
     PD_CONFIGS,
     readme_configs,
@@ -37,7 +36,7 @@ from readme_configs import (
 )
 
 README = readme_configs()
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]  # holds the tests package
 LMCACHE = "LMCacheMPConnector"
 
 
@@ -65,7 +64,7 @@ def _block_size(flags: list[str]) -> int:
     """The block's ``vllm serve`` flags: ``--block-size N`` is the only one a
     README block may carry (anything else would be a flag the test ignores)."""
     if not flags:
-        return engine.BLOCK_SIZE
+        return engine.CPU_BLOCK_SIZE
     if len(flags) != 2 or flags[0] != "--block-size":
         raise AssertionError(f"a README block carries flags this test does not apply: {flags}")
     return int(flags[1])
@@ -89,10 +88,9 @@ def lmcache(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LMCacheS
 
 def _serve(model_dir: str, config: dict[str, Any], block_size: int, wipe: bool) -> dict:
     """Run the configuration in its own process (``readme_engine.py``)."""
-    cmd = [sys.executable, str(HERE / "readme_engine.py"), model_dir, json.dumps(config)]
+    cmd = [sys.executable, "-m", "tests.e2e.readme_engine", model_dir, json.dumps(config)]
     cmd += [str(block_size)] + (["--wipe-host-tier"] if wipe else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT ") :])

@@ -47,10 +47,10 @@ from typing import Any
 
 import openai
 import pytest
-from server import Deadline, Samples, Server, metric, scrape, serve
 
-from kvmux import engine
-from readme_configs import readme_configs, substitute
+from kvmux.cli import engine
+from tests.e2e.server import Deadline, Samples, Server, metric, scrape, serve
+from tests.readme_configs import readme_configs, substitute
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,7 +66,7 @@ MODEL_FLAGS = (
     str(engine.MAX_MODEL_LEN),
     "--enforce-eager",
     "--block-size",
-    str(engine.BLOCK_SIZE),
+    str(engine.CPU_BLOCK_SIZE),
 )
 START_S = 240  # two cores, perhaps shared with another engine: ~1 min alone
 BUDGET_S = 270  # the whole module, start-up included (stopping adds <= 30 s)

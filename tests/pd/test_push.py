@@ -9,28 +9,26 @@ engine without a connector; the module is bounded in time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from server import Deadline
 
-from pd import (
+from tests.e2e.server import Deadline
+from tests.pd.pd import (
     ASK,
     Engine,
+    Group,
     Nixl,
     Reference,
     child,
     counters,
-    engines,
+    idle,
     new_suffix,
     prefill_then_decode,
     prompts,
     readme_config,
     settle,
-    shows_logs,
-    warm_up,
+    warm_engines,
 )
 
 START_S = 300  # two engines starting together on two shared cores
@@ -41,17 +39,10 @@ HOST = "KvmuxHostCache"
 
 
 @dataclass
-class Push:
+class Push(Group):
     prefill: Engine
     decode: Engine
     reference: Reference
-
-    def logs(self) -> AbstractContextManager[None]:
-        return shows_logs(self.prefill, self.decode)
-
-
-def _idle(state: dict[str, Any]) -> bool:
-    return state["scheduler_requests"] == 0 and state["kv_cache_usage"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +54,7 @@ def push(
         "decode_push": readme_config("pd-decode-push"),
     }
     workdir = tmp_path_factory.mktemp("push")
-    with engines(specs, model_dir, workdir, Deadline(START_S)) as es:
-        with shows_logs(*es.values()):
-            warm_up(es["prefill_push"], [es["decode_push"]], Deadline(TEST_S))
+    with warm_engines(specs, "prefill_push", model_dir, workdir, START_S, TEST_S) as es:
         yield Push(es["prefill_push"], es["decode_push"], reference)
 
 
@@ -111,7 +100,7 @@ def test_push_mode_kvmux_on_both_sides_loads_each_request_once(push: Push):
         assert [r["kv_transfer_params"]["host_cache_stats"]["loaded_tokens"] for r in dec] == [
             0
         ] * n
-        d2 = settle(push.decode, dl, _idle)
+        d2 = settle(push.decode, dl, idle)
         assert child(d2, HOST)["hits"] - child(d1, HOST)["hits"] == n  # the host tier could serve
         assert child(d2, HOST)["loads"] == child(d0, HOST)["loads"]  # but never loaded
         assert child(d2, NIXL)["loads"] - child(d0, NIXL)["loads"] == 2 * n
@@ -122,12 +111,12 @@ def test_push_mode_kvmux_on_both_sides_loads_each_request_once(push: Push):
         p2 = settle(
             push.prefill,
             dl,
-            lambda s: _idle(s)
+            lambda s: idle(s)
             and counters(s).get("finished_sending", 0)
             >= counters(p0).get("finished_sending", 0) + 2 * n,
             cap=20,
         )
-        assert _idle(p2) and p2["live_requests"] == 0
+        assert idle(p2) and p2["live_requests"] == 0
         nixl0, nixl2 = Nixl.of(p0, NIXL), Nixl.of(p2, NIXL)
         assert nixl2.transfers - nixl0.transfers == 2 * n
         assert (nixl2.failed, nixl2.expired) == (nixl0.failed, nixl0.expired)

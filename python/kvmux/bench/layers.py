@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux.bench.case import Case
-from kvmux.sim import SchedulerSim, kv_cache_config
+from kvmux.bench.sim import SchedulerSim, kv_cache_config
 
 __all__ = ["build"]
 
@@ -42,7 +42,7 @@ def _worker(name: str, module: str | None) -> tuple[Any, Any]:
         kv_role="kv_both",
         kv_connector_extra_config={"connectors": [dict(NOOP), dict(WORK), dict(NOOP)]},
     )
-    sim = SchedulerSim(ktc, write_kv=False)
+    sim = SchedulerSim(ktc)
     meta = sim.scheduler.schedule().kv_connector_metadata  # a real step's metadata
     conn = KVConnectorFactory.create_connector(
         config=sim.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config()

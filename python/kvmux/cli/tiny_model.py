@@ -1,22 +1,24 @@
-"""Tiny random-weight models with a locally trained BPE tokenizer, built once
-into a cache folder: real models vLLM serves on the CPU in seconds, with
-nothing downloaded from a hub.
+"""The tiny random-weight Llama the demo serves, with a locally trained BPE
+tokenizer, built once into kvmux's cache folder: a real model vLLM serves on
+the CPU in seconds, with nothing downloaded from a hub.
 
-- :func:`tiny_llama`: a plain model (one KV cache group). Shape (what vLLM's
-  CPU attention backend accepts): hidden 128, 2 layers, 4 attention heads of
-  size 32, 2 KV heads, vocab 1024.
-- :func:`tiny_gemma3`: a hybrid model, Gemma 3's architecture
-  (``Gemma3ForCausalLM``) with the same shape and 4 layers alternating a
-  64-token sliding window and full attention: with vLLM's hybrid KV cache
-  manager on, two KV cache groups (sliding window, full attention) of two
-  layers each, overlaid on one allocation.
+One recipe (:data:`LLAMA`, the model's shape: what vLLM's CPU attention
+backend accepts), one cache root (:func:`cache_root`), two forms:
 
-Weights are seeded, so every build is the same model. Needs ``torch``,
-``transformers`` and ``tokenizers`` (all in vLLM's requirements).
+- :func:`tiny_llama`: the model (weights and tokenizer), for an engine;
+- :func:`tiny_llama_config`: its ``config.json`` alone, enough for vLLM's
+  ``ModelConfig`` where no model runs (the benchmarks' scheduler,
+  :mod:`kvmux.bench.sim`).
+
+Weights are seeded, so every build is the same model. Building needs
+``torch``, ``transformers`` and ``tokenizers`` (all in vLLM's requirements).
+:func:`train_tokenizer` and :func:`cached` build other tiny models the same
+way (the tests' hybrid Gemma 3).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -25,15 +27,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILD", "GEMMA3_LAYERS", "GEMMA3_WINDOW", "cache_root", "tiny_gemma3", "tiny_llama"]
+__all__ = [
+    "BUILD",
+    "LLAMA",
+    "VOCAB",
+    "cache_root",
+    "cached",
+    "tiny_llama",
+    "tiny_llama_config",
+    "train_tokenizer",
+]
 
 #: Bump when the model or tokenizer recipe changes: the folder name holds it.
 BUILD = 1
 VOCAB = 1024
 SPECIALS = ["<unk>", "<s>", "</s>"]
-#: The tiny Gemma 3's layers and sliding window (tokens).
-GEMMA3_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
-GEMMA3_WINDOW = 64
+#: The tiny Llama's shape: hidden 128, 2 layers, 4 attention heads of size
+#: 32, 2 KV heads.
+LLAMA: dict[str, int] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+}
 
 
 def cache_root() -> Path:
@@ -52,7 +72,8 @@ def _corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(words, k=12)) for _ in range(n_lines)]
 
 
-def _tokenizer(path: Path) -> Any:
+def train_tokenizer(path: Path) -> Any:
+    """Train the BPE tokenizer on a synthetic corpus and save it into ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,16 +98,9 @@ def _build(path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fast = _tokenizer(path)
+    fast = train_tokenizer(path)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
+        **LLAMA,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
@@ -99,49 +113,14 @@ def _build(path: Path) -> None:
     model.save_pretrained(path)
 
 
-def _build_gemma3(path: Path) -> None:
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    fast = _tokenizer(path)
-    cfg = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=len(GEMMA3_LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        max_position_embeddings=1024,
-        sliding_window=GEMMA3_WINDOW,
-        layer_types=list(GEMMA3_LAYERS),
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=0,
-        # Untied, with wide weights: with Gemma's tied, scaled embeddings a
-        # random model repeats its input token whatever the context; this
-        # one's greedy output changes with a token anywhere in the prompt
-        # (full attention) and with one inside the window (sliding window).
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(path)
-
-
 def tiny_llama(root: Path | None = None) -> Path:
     """The tiny Llama's folder (built on first use; later calls return at once)."""
-    return _cached("tiny-llama", _build, root)
+    return cached("tiny-llama", _build, root)
 
 
-def tiny_gemma3(root: Path | None = None) -> Path:
-    """The tiny hybrid Gemma 3's folder (built on first use)."""
-    return _cached("tiny-gemma3", _build_gemma3, root)
-
-
-def _cached(name: str, build: Callable[[Path], None], root: Path | None) -> Path:
+def cached(name: str, build: Callable[[Path], None], root: Path | None = None) -> Path:
+    """``root/NAME-bBUILD`` (``root``: :func:`cache_root`), made by ``build``
+    into a temporary folder on first use and renamed into place."""
     root = cache_root() if root is None else root
     path = root / f"{name}-b{BUILD}"
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
@@ -157,4 +136,26 @@ def _cached(name: str, build: Callable[[Path], None], root: Path | None) -> Path
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def tiny_llama_config(root: str | os.PathLike[str] | None = None) -> Path:
+    """A folder with only the tiny Llama's ``config.json`` (no weights, no
+    tokenizer): enough for vLLM's ``ModelConfig``. ``root`` (default
+    :func:`cache_root`) holds it; the folder's path is the model's name,
+    which external caches such as LMCache put in their keys (a distinct
+    root: distinct keys)."""
+    root = cache_root() if root is None else Path(root)
+    path = root / f"tiny-llama-config-b{BUILD}"
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **LLAMA,
+        "torch_dtype": "float32",
+    }
+    fd, tmp = tempfile.mkstemp(prefix=".config-", dir=path)
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f)
+    os.replace(tmp, path / "config.json")  # atomic: a concurrent writer writes the same
     return path

@@ -1,9 +1,14 @@
-"""Drive vLLM's real v1 scheduler with kvmux over two children (its own host
-tier and vLLM's ExampleConnector) on a synthetic workload of requests that
-share long prefixes, in one process with no GPU and no model (the model
-runner is stood in; see kvmux.sim). Pass 1 fills the tiers; vLLM's own prefix
-cache is then wiped; pass 2 loads the shared prefixes back from the host tier,
-and the demo checks the loaded KV is bit-identical."""
+"""The model-free demo: vLLM's real v1 scheduler with kvmux over two children
+(its own host tier and vLLM's ExampleConnector) on a synthetic workload of
+requests that share long prefixes, in one process with no GPU and no model
+(the model runner is stood in: ``tests.harness.SchedulerSim``). Pass 1 fills
+the tiers; vLLM's own prefix cache is then wiped; pass 2 loads the shared
+prefixes back from the host tier, and the demo checks the loaded KV is
+bit-identical. Needs vLLM 0.33 (``scripts/env.sh vllm-0.33``); from the
+repository root:
+
+    python -m tests.demo_scheduler [--requests N ...]
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "main", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from vllm.config import KVTransferConfig
 
-    from kvmux.sim import BLOCK_SIZE, SchedulerSim
+    from tests.harness import BLOCK_SIZE, SchedulerSim
 
     rng = random.Random(args.seed)
     storage = tempfile.mkdtemp(prefix="kvmux-demo-")
@@ -124,3 +129,13 @@ def run(args: argparse.Namespace) -> int:
     ok = ok and sim.connector.num_live_requests() == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.demo_scheduler", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

