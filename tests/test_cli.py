@@ -63,11 +63,14 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         ("P2", "MultiConnector"),
         ("P3", "SimpleCPUOffloadConnector"),
         ("P4", "plain contiguous torch copy"),
+        ("P1h", "MultiConnector"),
     ):
         assert any(line.startswith(key + " ") for line in proc.stdout.splitlines()), key
         assert f"{key}: per op" in proc.stdout and rival in proc.stdout
     import json
 
     doc = json.loads(out_json.read_text())
-    assert [r["key"] for r in doc["results"]] == ["P1", "P2", "P3", "P4"]
+    assert [r["key"] for r in doc["results"]] == ["P1", "P2", "P3", "P4", "P1h"]
+    p1h = doc["results"][-1]
+    assert p1h["target"] is None and p1h["notes"]["host_lookup_hits"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

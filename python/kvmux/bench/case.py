@@ -12,7 +12,7 @@ __all__ = ["Case"]
 @dataclass
 class Case:
     key: str
-    """Short id: P1..P4."""
+    """Short id: P1..P4, P1h."""
     title: str
     kvmux: Callable[[], object]
     """One operation through kvmux."""
@@ -21,12 +21,16 @@ class Case:
     rival_name: str
     unit: str
     """What one operation is (printed beside the times)."""
-    target: float
+    target: float | None
+    """The figure kvmux aims for (None: reported, no target)."""
     higher_is_better: bool = False
     """False: the figure is kvmux time / rival time (lower is better). True:
     it is rival time / kvmux time, kvmux's fraction of a limit (P4)."""
     inner: int = 1
     """Operations per timed repeat."""
+    self_timed: bool = False
+    """True: ``kvmux`` and ``rival`` return the seconds to count (the part of
+    their work being compared), instead of being timed whole."""
     check: Callable[[], None] | None = None
     """Raises if the two sides did not do the same work (run once, untimed)."""
     notes: dict[str, Any] = field(default_factory=dict)

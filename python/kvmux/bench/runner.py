@@ -30,9 +30,13 @@ class Result:
         return med, q1, q3
 
     @property
-    def met(self) -> bool:
+    def met(self) -> bool | None:
+        """Whether the figure meets the target (None: the case has none)."""
+        target = self.case.target
+        if target is None:
+            return None
         fig = self.figure[0]
-        return fig >= self.case.target if self.case.higher_is_better else fig <= self.case.target
+        return fig >= target if self.case.higher_is_better else fig <= target
 
     def to_json(self) -> dict[str, Any]:
         c, t = self.case, self.timing
@@ -97,6 +101,7 @@ def run(
             warmup=warm,
             label=key,
             progress=progress,
+            self_timed=case.self_timed,
         )
         out.append(Result(case, timing, reps, warm))
         progress.note(f"{key}: done in {time.monotonic() - t0:.1f} s")
@@ -128,8 +133,10 @@ def format_table(results: Sequence[Result]) -> str:
                 _fmt_time(t.rival_median),
                 f"{100 * t.rival_spread:.0f}%",
                 f"{med:.3f} [{q1:.3f}-{q3:.3f}]",
-                ("≥ " if c.higher_is_better else "≤ ") + f"{c.target:g}",
-                "yes" if r.met else "NO",
+                "-"
+                if c.target is None
+                else ("≥ " if c.higher_is_better else "≤ ") + f"{c.target:g}",
+                {None: "-", True: "yes", False: "NO"}[r.met],
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -194,12 +201,14 @@ def write_plot(path: str | Path, results: Sequence[Result]) -> None:
         y = len(results) - 1 - i
         ys.append(y)
         labels.append(f"{c.key} vs {c.rival_name}\n{c.title}")
-        ax.barh(y, med, xerr=[[med - q1], [q3 - med]], color="tab:green" if r.met else "tab:red")
-        ax.plot([c.target, c.target], [y - 0.45, y + 0.45], color="black", linestyle="--")
+        color = {None: "tab:blue", True: "tab:green", False: "tab:red"}[r.met]
+        ax.barh(y, med, xerr=[[med - q1], [q3 - med]], color=color)
+        if c.target is not None:
+            ax.plot([c.target, c.target], [y - 0.45, y + 0.45], color="black", linestyle="--")
         ax.text(med, y, f"  {med:.3f}", va="center")
     ax.set_yticks(ys, labels, fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("ratio (P1-P3: kvmux/rival, lower is better; P4: fraction of the limit)")
+    ax.set_xlabel("ratio (P1-P3, P1h: kvmux/rival, lower is better; P4: fraction of the limit)")
     ax.set_title("kvmux vs rivals, same run (dashed: target)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,6 +1,7 @@
 """Benchmark kvmux against what users would pick instead, side by side in one
-run: P1 the scheduler-side request lifecycle and P2 the worker's per-layer
-hooks against vLLM's MultiConnector over the same children, P3 the host
+run: P1 the scheduler-side request lifecycle (P1h: with the host tier as the
+one child, doing real work) and P2 the worker's per-layer hooks against
+vLLM's MultiConnector over the same children, P3 the host
 tier's prefix lookup against vLLM's SimpleCPUOffloadConnector, P4 the host
 tier's copies against a plain contiguous torch copy. Prints median, spread
 and ratio per comparison."""
