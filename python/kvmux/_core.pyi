@@ -2,6 +2,22 @@
 
 from collections.abc import Iterable
 
+from typing_extensions import Self, final
+
+# PyO3 lists every name the module adds in ``__all__``.
+__all__ = [
+    "CHILD_COUNTERS",
+    "CLASH_POLICIES",
+    "LOAD_POLICIES",
+    "MAX_CHILDREN",
+    "TOTAL_COUNTERS",
+    "HostIndex",
+    "MuxCore",
+    "SaveCountdown",
+    "ServablePrefix",
+    "chain_token_hashes",
+]
+
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 MAX_CHILDREN: int
@@ -66,6 +82,7 @@ class SaveCountdown:
     def pending(self) -> int: ...
     def __len__(self) -> int: ...
 
+@final
 class ServablePrefix:
     """The answer of :meth:`HostIndex.servable_prefix`, in blocks."""
 
@@ -76,11 +93,14 @@ class ServablePrefix:
     def prefix_blocks(self) -> int:
         """Where the full-attention groups' run of ready blocks ends."""
 
+@final
 class HostIndex:
     """The host tier's block index: block hash -> slot, LRU, pins; one key
     space per KV cache group, one pool of slots and one LRU order."""
 
-    def __init__(self, capacity: int, groups: int = 1) -> None: ...
+    def __new__(cls, capacity: int, groups: int = 1) -> Self:
+        """``capacity`` slots shared by ``groups`` key spaces (one per KV
+        cache group)."""
     @property
     def capacity(self) -> int: ...
     @property
