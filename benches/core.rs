@@ -138,7 +138,7 @@ fn host_prefix_lookup(c: &mut Criterion) {
             k
         })
         .collect();
-    let mut index = BlockIndex::new(2 * BLOCKS);
+    let mut index = BlockIndex::new(2 * BLOCKS).expect("a valid capacity");
     let slots: Vec<u32> = index.reserve(&keys).into_iter().map(|(_, s)| s).collect();
     assert_eq!(index.commit(&slots), BLOCKS);
     let mut g = c.benchmark_group("host_index");

@@ -23,6 +23,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use crate::error::IndexError;
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 /// Keys are block hashes already (vLLM's sha256, our xxh3 chain): a fast
@@ -95,18 +96,21 @@ pub struct BlockIndex {
 
 impl BlockIndex {
     /// An index of one group (a model with one KV cache group).
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(capacity: usize) -> Result<Self, IndexError> {
         Self::with_groups(capacity, 1)
     }
 
-    /// An index whose `capacity` slots are shared by `groups` key spaces.
-    pub fn with_groups(capacity: usize, groups: usize) -> Self {
-        assert!(capacity < NIL as usize, "capacity must fit in u32");
-        assert!(
-            (1..NIL as usize).contains(&groups),
-            "groups must be 1 to u32::MAX - 1"
-        );
-        Self {
+    /// An index whose `capacity` slots (1 to `u32::MAX - 1`: slots are u32)
+    /// are shared by `groups` key spaces.
+    pub fn with_groups(capacity: usize, groups: usize) -> Result<Self, IndexError> {
+        let max = NIL as usize - 1;
+        if !(1..=max).contains(&capacity) {
+            return Err(IndexError::Capacity { got: capacity, max });
+        }
+        if !(1..=max).contains(&groups) {
+            return Err(IndexError::Groups { got: groups, max });
+        }
+        Ok(Self {
             slots: (0..capacity)
                 .map(|_| Slot {
                     key: None,
@@ -125,7 +129,7 @@ impl BlockIndex {
             tail: NIL,
             counters: IndexCounters::default(),
             group_counters: vec![IndexCounters::default(); groups],
-        }
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -567,7 +571,7 @@ mod tests {
 
     #[test]
     fn saved_prefix_is_found_and_writing_blocks_are_not() {
-        let mut ix = BlockIndex::new(8);
+        let mut ix = BlockIndex::new(8).unwrap();
         save(&mut ix, &keys(0..3));
         let writing = ix.reserve(&keys(3..4));
         assert_eq!(ix.longest_prefix(&keys(0..6)), 3);
@@ -579,7 +583,7 @@ mod tests {
 
     #[test]
     fn fresh_pool_hands_out_consecutive_slots() {
-        let mut ix = BlockIndex::new(8);
+        let mut ix = BlockIndex::new(8).unwrap();
         let got: Vec<u32> = ix
             .reserve(&keys(10..14))
             .into_iter()
@@ -590,7 +594,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_least_recent_and_never_pinned() {
-        let mut ix = BlockIndex::new(3);
+        let mut ix = BlockIndex::new(3).unwrap();
         save(&mut ix, &keys(0..3));
         let pinned = ix.pin_ready(&keys(0..1)).unwrap();
         ix.reserve(&keys(1..2)); // touch key 1: key 2 is now least recent unpinned
@@ -610,7 +614,7 @@ mod tests {
 
     #[test]
     fn abort_frees_and_clear_keeps_in_flight_work() {
-        let mut ix = BlockIndex::new(4);
+        let mut ix = BlockIndex::new(4).unwrap();
         save(&mut ix, &keys(0..2));
         let w: Vec<u32> = ix
             .reserve(&keys(5..6))
@@ -638,7 +642,7 @@ mod tests {
 
     #[test]
     fn the_same_hash_is_a_different_block_in_each_group() {
-        let mut ix = BlockIndex::with_groups(8, 2);
+        let mut ix = BlockIndex::with_groups(8, 2).unwrap();
         let ks = keys(0..3);
         let s0: Vec<u32> = ix.reserve_in(0, &ks).into_iter().map(|(_, s)| s).collect();
         ix.commit(&s0);
@@ -662,7 +666,7 @@ mod tests {
 
     #[test]
     fn eviction_is_one_lru_order_across_groups() {
-        let mut ix = BlockIndex::with_groups(2, 2);
+        let mut ix = BlockIndex::with_groups(2, 2).unwrap();
         save(&mut ix, &keys(0..1));
         let s = ix.reserve_in(1, &keys(0..1));
         ix.commit(&[s[0].1]);
@@ -686,7 +690,7 @@ mod tests {
     #[test]
     fn a_window_group_needs_only_the_blocks_before_the_resume_point() {
         // Group 0 full attention, group 1 a window of 2 blocks.
-        let mut ix = BlockIndex::with_groups(32, 2);
+        let mut ix = BlockIndex::with_groups(32, 2).unwrap();
         let ks = keys(0..8);
         let reach = [Reach::Prefix, Reach::Window(2)];
         ready(&mut ix, 0, &ks[..6]);
@@ -705,7 +709,7 @@ mod tests {
         // Blocks already on the device count as present.
         assert_eq!(ix.servable_prefix(&ks, 3, 8, &reach).blocks, 6);
         // Near the start the window is shorter than n.
-        let mut ix = BlockIndex::with_groups(32, 2);
+        let mut ix = BlockIndex::with_groups(32, 2).unwrap();
         ready(&mut ix, 0, &ks[..3]);
         ready(&mut ix, 1, &ks[..1]);
         assert_eq!(ix.servable_prefix(&ks, 0, 8, &reach).blocks, 1);
@@ -759,12 +763,23 @@ mod tests {
             .unwrap_or(start)
     }
 
+    #[test]
+    fn construction_refuses_empty_or_oversized_indexes() {
+        let max = NIL as usize - 1;
+        assert_eq!(
+            BlockIndex::new(0).err(),
+            Some(IndexError::Capacity { got: 0, max })
+        );
+        assert!(BlockIndex::with_groups(4, 0).is_err());
+        assert!(BlockIndex::with_groups(max + 1, 1).is_err());
+    }
+
     proptest! {
         /// Under any sequence of operations: the structure stays consistent,
         /// a pinned slot keeps its key, nothing is ever beyond capacity.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(op(), 1..80), cap in 1usize..10) {
-            let mut ix = BlockIndex::with_groups(cap, 2);
+            let mut ix = BlockIndex::with_groups(cap, 2).unwrap();
             let mut writing: Vec<Vec<u32>> = Vec::new();
             let mut pins: Vec<(usize, Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
             for op in ops {
@@ -814,7 +829,7 @@ mod tests {
                 .iter()
                 .map(|w| w.map_or(Reach::Prefix, Reach::Window))
                 .collect();
-            let mut ix = BlockIndex::with_groups(64, groups);
+            let mut ix = BlockIndex::with_groups(64, groups).unwrap();
             for (g, key) in present {
                 if g < groups {
                     ready(&mut ix, g, &[k(key)]);

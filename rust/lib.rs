@@ -5,7 +5,9 @@
 #![forbid(unsafe_code)]
 
 pub mod block_index;
+pub mod error;
 pub mod merge;
+pub mod mux;
 pub mod requests;
 pub mod saves;
 pub mod stats;

@@ -204,10 +204,6 @@ impl RequestTable {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
-
-    pub fn clear(&self) {
-        self.map.clear();
-    }
 }
 
 #[cfg(test)]

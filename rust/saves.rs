@@ -43,20 +43,6 @@ impl SaveCountdown {
         }
     }
 
-    /// Completions of a whole `get_finished` call (every child's ids, with
-    /// repeats): the ids that are finished sending now, in arrival order.
-    pub fn complete_all<'a, I>(&self, ids: I) -> Vec<&'a str>
-    where
-        I: IntoIterator<Item = &'a str>,
-    {
-        ids.into_iter().filter(|id| self.complete(id)).collect()
-    }
-
-    /// Forget a request (e.g. its worker state was dropped).
-    pub fn forget(&self, req_id: &str) -> Option<u32> {
-        self.extra.remove(req_id).map(|(_, n)| n)
-    }
-
     /// Requests still waiting for completions.
     pub fn len(&self) -> usize {
         self.extra.len()
@@ -64,11 +50,6 @@ impl SaveCountdown {
 
     pub fn is_empty(&self) -> bool {
         self.extra.is_empty()
-    }
-
-    /// Completions still expected, summed over requests.
-    pub fn pending(&self) -> u64 {
-        self.extra.iter().map(|e| u64::from(*e.value())).sum()
     }
 }
 
@@ -97,7 +78,11 @@ mod tests {
     fn batch_reports_each_request_once() {
         let c = SaveCountdown::new();
         c.expect("a", 1);
-        assert_eq!(c.complete_all(["a", "b", "a"]), ["b", "a"]);
+        let done: Vec<_> = ["a", "b", "a"]
+            .into_iter()
+            .filter(|id| c.complete(id))
+            .collect();
+        assert_eq!(done, ["b", "a"]);
         assert!(c.is_empty());
     }
 

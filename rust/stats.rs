@@ -25,7 +25,9 @@ pub enum Child {
     ContainedErrors,
 }
 
-pub const CHILD_NAMES: [&str; 7] = [
+/// Names of the per-child counters, by `Child` variant: the one source of the
+/// stats keys, the Prometheus metrics and the README's list.
+pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "lookups",
     "hits",
     "hit_tokens",
@@ -34,6 +36,11 @@ pub const CHILD_NAMES: [&str; 7] = [
     "async_saves",
     "contained_errors",
 ];
+
+impl Child {
+    /// Number of variants (the last one's index + 1).
+    pub const COUNT: usize = Child::ContainedErrors as usize + 1;
+}
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.
 #[derive(Clone, Copy, Debug)]
@@ -53,7 +60,8 @@ pub enum Total {
     LoadFailedBlocks,
 }
 
-pub const TOTAL_NAMES: [&str; 7] = [
+/// Names of the multiplexer-wide counters, by `Total` variant.
+pub const TOTAL_NAMES: [&str; Total::COUNT] = [
     "finished",
     "extra_cached_tokens",
     "clashes_resolved",
@@ -63,13 +71,19 @@ pub const TOTAL_NAMES: [&str; 7] = [
     "load_failed_blocks",
 ];
 
-type Row = [AtomicU64; 7];
+impl Total {
+    /// Number of variants (the last one's index + 1).
+    pub const COUNT: usize = Total::LoadFailedBlocks as usize + 1;
+}
+
+type ChildRow = [AtomicU64; Child::COUNT];
+type TotalRow = [AtomicU64; Total::COUNT];
 
 /// Plain values of every counter.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Snapshot {
-    pub totals: [u64; 7],
-    pub children: Vec<[u64; 7]>,
+    pub totals: [u64; Total::COUNT],
+    pub children: Vec<[u64; Child::COUNT]>,
 }
 
 impl Snapshot {
@@ -80,12 +94,12 @@ impl Snapshot {
 
 #[derive(Debug)]
 pub struct Counters {
-    totals: Row,
-    children: Vec<Row>,
+    totals: TotalRow,
+    children: Vec<ChildRow>,
     taken: Mutex<Snapshot>,
 }
 
-fn load(row: &Row) -> [u64; 7] {
+fn load<const N: usize>(row: &[AtomicU64; N]) -> [u64; N] {
     std::array::from_fn(|i| row[i].load(Relaxed))
 }
 
@@ -95,8 +109,8 @@ impl Counters {
             totals: Default::default(),
             children: (0..n_children).map(|_| Default::default()).collect(),
             taken: Mutex::new(Snapshot {
-                totals: [0; 7],
-                children: vec![[0; 7]; n_children],
+                totals: [0; Total::COUNT],
+                children: vec![[0; Child::COUNT]; n_children],
             }),
         }
     }

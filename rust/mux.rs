@@ -1,0 +1,1081 @@
+//! The multiplexer's rules, as a type of its own.
+//!
+//! [`Mux`] decides, for every scheduler-side event of a request, what the
+//! multiplexer answers vLLM and what it remembers: which child loads, how
+//! many tokens it supplied, which children took part, how many async saves
+//! the workers must wait for, which params reach vLLM, which failures are
+//! contained. It never calls a child itself: the caller hands it each
+//! child's answer through a closure (`ask(i)`), so every rule runs under
+//! `cargo test` with plain Rust children, and the bindings only convert
+//! Python answers to [`ChildMatch`], `bool` and [`Params`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+
+use dashmap::{DashMap, DashSet};
+
+use crate::error::{ChildFault, MuxError};
+use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
+use crate::requests::{ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN};
+use crate::stats::{Child, Counters, Snapshot, Total};
+
+/// The key the multiplexer adds to a finished request's params when the
+/// request asks for it: the tokens its chosen child supplied.
+pub const EXTRA_KEY: &str = "num_extra_cached_tokens";
+
+/// The connector hooks the multiplexer runs, as vLLM names them.
+pub mod hook {
+    pub const LOOKUP: &str = "get_num_new_matched_tokens";
+    pub const ALLOC: &str = "update_state_after_alloc";
+    pub const FINISHED: &str = "request_finished";
+    pub const FINISHED_ALL_GROUPS: &str = "request_finished_all_groups";
+    pub const PARTIAL_TAIL: &str = "register_finished_partial_tail";
+
+    /// What a child's answer to `hook` must be, for error messages.
+    pub fn contract(hook: &str) -> &'static str {
+        match hook {
+            LOOKUP => "(int >= 0 or None, bool)",
+            FINISHED | FINISHED_ALL_GROUPS => "(bool, dict or None)",
+            PARTIAL_TAIL => "a bool",
+            _ => "what vLLM's connector interface documents",
+        }
+    }
+}
+
+/// A finished request's params as one child (or the multiplexer) returned
+/// them. A single source is handed back as it is; only a merge reads it.
+pub trait Params {
+    type Value: ValueEq<Error = Self::Error>;
+    type Error;
+    /// The key/value pairs, for a merge. A malformed source (a key that is
+    /// not a string) is a [`ChildFault::Malformed`].
+    #[allow(clippy::type_complexity)]
+    fn entries(&self) -> Result<Vec<(String, Self::Value)>, ChildFault<Self::Error>>;
+}
+
+/// One child's answer to a finish hook.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChildFinish<P> {
+    pub async_save: bool,
+    pub params: Option<P>,
+}
+
+/// The params a finished request returns to vLLM.
+#[derive(Debug, PartialEq)]
+pub enum FinishedParams<P, V> {
+    /// One source only: its params, uncopied.
+    Source(P),
+    /// Several sources, merged under the clash policy (first-seen order).
+    Merged(Vec<(String, V)>),
+}
+
+/// A failure of a child on a request it never took part in, contained by
+/// the multiplexer (see [`Mux::finish`]); the caller logs it.
+#[derive(Debug)]
+pub struct Contained<E> {
+    pub child: usize,
+    pub hook: &'static str,
+    /// The first contained failure of this child (log it loudly).
+    pub first: bool,
+    pub fault: ChildFault<E>,
+}
+
+/// The multiplexer's answer to a finish hook.
+#[derive(Debug)]
+pub struct Finished<P, V, E> {
+    pub async_save: bool,
+    pub params: Option<FinishedParams<P, V>>,
+    /// Clashes resolved by `first`/`last` on keys never warned about before.
+    pub new_clashes: Vec<Clash>,
+    pub contained: Vec<Contained<E>>,
+}
+
+/// What the scheduler side sends its workers with the next step's metadata.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outbox {
+    /// Request id -> completions beyond the first the workers wait for (k - 1
+    /// when k children save the request asynchronously).
+    pub extra_async_saves: HashMap<String, u32>,
+    /// Request id -> children whose completions of it the workers drop
+    /// (their failure on it was contained, so vLLM was not told to wait).
+    pub dropped_saves: HashMap<String, Vec<usize>>,
+}
+
+impl Outbox {
+    pub fn is_empty(&self) -> bool {
+        self.extra_async_saves.is_empty() && self.dropped_saves.is_empty()
+    }
+}
+
+/// The scheduler-side multiplexer of `n` children.
+#[derive(Debug)]
+pub struct Mux {
+    names: Vec<String>,
+    clash: ClashPolicy,
+    load: LoadPolicy,
+    block_size: u64,
+    table: RequestTable,
+    counters: Counters,
+    warned_keys: DashSet<String>,
+    /// Bit i: child i's contained failure was logged loudly once.
+    warned_contained: AtomicU64,
+    outbox: Mutex<Outbox>,
+    /// Request id -> device blocks (group 0) of its planned load.
+    watched: DashMap<String, Vec<u32>>,
+    n_watched: AtomicUsize,
+}
+
+impl Mux {
+    /// A multiplexer over children named `names` (1 to [`MAX_CHILDREN`]).
+    pub fn new<E>(
+        names: Vec<String>,
+        clash: ClashPolicy,
+        load: LoadPolicy,
+        block_size: u64,
+    ) -> Result<Self, MuxError<E>> {
+        if names.is_empty() || names.len() > MAX_CHILDREN {
+            return Err(MuxError::Config(format!(
+                "a multiplexer needs 1 to {MAX_CHILDREN} children, got {}",
+                names.len()
+            )));
+        }
+        if block_size == 0 {
+            return Err(MuxError::Config("block_size must be at least 1".into()));
+        }
+        Ok(Self {
+            counters: Counters::new(names.len()),
+            names,
+            clash,
+            load,
+            block_size,
+            table: RequestTable::new(),
+            warned_keys: DashSet::new(),
+            warned_contained: AtomicU64::new(0),
+            outbox: Mutex::new(Outbox::default()),
+            watched: DashMap::new(),
+            n_watched: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Child `i`'s name; the multiplexer's own name for `i == len()`.
+    pub fn name(&self, i: usize) -> &str {
+        self.names.get(i).map_or("kvmux", String::as_str)
+    }
+
+    pub fn clash_policy(&self) -> ClashPolicy {
+        self.clash
+    }
+
+    /// Requests the multiplexer holds state for.
+    pub fn live_requests(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Drop a request's state without counting it finished. True if there was.
+    pub fn forget(&self, req_id: &str) -> bool {
+        self.unwatch(req_id);
+        self.table.finish(req_id).is_some()
+    }
+
+    /// The child chosen to load a request, if any.
+    pub fn chosen(&self, req_id: &str) -> Option<usize> {
+        self.table.chosen(req_id)
+    }
+
+    /// `get_num_new_matched_tokens`: every child's answer (`ask(i)`) in, the
+    /// multiplexer's out. The loading child is chosen by the load policy and
+    /// remembered; a lookup that is not ready keeps the earlier choice; every
+    /// child takes part. A failing or malformed answer drops the request's
+    /// state and names the child.
+    pub fn lookup<E>(
+        &self,
+        req_id: &str,
+        num_computed_tokens: u64,
+        mut ask: impl FnMut(usize) -> Result<ChildMatch, ChildFault<E>>,
+    ) -> Result<Lookup, MuxError<E>> {
+        let n = self.names.len();
+        let mut matches = [ChildMatch {
+            tokens: None,
+            load_async: false,
+        }; MAX_CHILDREN];
+        for (i, slot) in matches.iter_mut().enumerate().take(n) {
+            let got = ask(i).and_then(|m| {
+                if m.load_async && m.tokens == Some(0) {
+                    Err(ChildFault::Malformed(
+                        "returned load_async=True with 0 tokens".into(),
+                    ))
+                } else {
+                    Ok(m)
+                }
+            });
+            match got {
+                Ok(m) => *slot = m,
+                Err(fault) => {
+                    self.forget(req_id);
+                    return Err(MuxError::child(i, hook::LOOKUP, fault));
+                }
+            }
+        }
+        let matches = &matches[..n];
+        let got = self
+            .table
+            .lookup(req_id, num_computed_tokens, self.load, matches);
+        if got.tokens.is_some() {
+            for (i, m) in matches.iter().enumerate() {
+                let toks = m.tokens.unwrap_or(0);
+                self.counters.child(i, Child::Lookups, 1);
+                if toks > 0 {
+                    self.counters.child(i, Child::Hits, 1);
+                    self.counters.child(i, Child::HitTokens, toks);
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    /// `update_state_after_alloc`: the chosen child is told
+    /// `num_external_tokens`, every other child 0 (`tell(i, n)`). A planned
+    /// load's device blocks (`load_blocks()`, group 0; empty when the model
+    /// has several groups) are watched for load errors. A child failing
+    /// drops the request's state.
+    pub fn allocated<E>(
+        &self,
+        req_id: &str,
+        num_external_tokens: u64,
+        load_blocks: impl FnOnce() -> Result<Vec<u32>, E>,
+        mut tell: impl FnMut(usize, u64) -> Result<(), ChildFault<E>>,
+    ) -> Result<Option<usize>, MuxError<E>> {
+        let n = self.names.len();
+        let chosen = self.table.allocated(req_id, n, num_external_tokens);
+        if let Some(i) = chosen {
+            self.counters.child(i, Child::Loads, 1);
+            self.counters
+                .child(i, Child::LoadTokens, num_external_tokens);
+            match load_blocks() {
+                Ok(blocks) => self.watch(req_id, blocks),
+                Err(e) => {
+                    self.forget(req_id);
+                    return Err(MuxError::Host(e));
+                }
+            }
+        }
+        for i in 0..n {
+            let given = if Some(i) == chosen {
+                num_external_tokens
+            } else {
+                0
+            };
+            if let Err(fault) = tell(i, given) {
+                self.forget(req_id);
+                return Err(MuxError::child(i, hook::ALLOC, fault));
+            }
+        }
+        Ok(chosen)
+    }
+
+    /// A finish hook (`request_finished` or `request_finished_all_groups`;
+    /// `hooks(i)` names the one child `i` gets, `call(i)` is its answer).
+    ///
+    /// Rules:
+    /// - every child is called, even after one fails;
+    /// - a child that never took part in the request (never looked up nor
+    ///   allocated) and fails is *contained*: counted, reported in
+    ///   [`Finished::contained`], treated as "no async save, no params", and
+    ///   the workers are told to drop its completions of the request;
+    /// - a child that took part and fails fails the call, naming it, after
+    ///   every child was called; the request's state is dropped;
+    /// - the request is saving asynchronously if any child says so; k > 1
+    ///   such children make the workers wait for k - 1 extra completions,
+    ///   but only for a request the multiplexer tracked (an untracked one has
+    ///   no blocks anyone saves, and a wait nobody ends would leak);
+    /// - `want_extra`: the multiplexer's own params `{EXTRA_KEY: tokens the
+    ///   chosen child supplied}` (made by `own`) join the children's;
+    /// - a single source of params is handed back uncopied; several are
+    ///   merged under the clash policy, warning once per resolved key.
+    ///
+    /// The request's state is gone afterwards, whether this succeeds or not.
+    #[allow(clippy::type_complexity)]
+    pub fn finish<P: Params>(
+        &self,
+        req_id: &str,
+        hooks: impl Fn(usize) -> &'static str,
+        want_extra: bool,
+        own: impl FnOnce(u64) -> Result<P, P::Error>,
+        call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
+    ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
+        self.unwatch(req_id);
+        let default = || ChildFinish {
+            async_save: false,
+            params: None,
+        };
+        let (answers, contained) = self.call_on_exit(req_id, &hooks, default, call)?;
+        if !contained.is_empty() {
+            let children = contained.iter().map(|c| c.child).collect();
+            self.lock_outbox()
+                .dropped_saves
+                .insert(req_id.to_owned(), children);
+        }
+        let seen = self.table.finish(req_id);
+        let state = seen.unwrap_or_default();
+        self.counters.total(Total::Finished, 1);
+        let mut n_async = 0u32;
+        let mut sources: Vec<(usize, P)> = Vec::new();
+        for (i, ans) in answers.into_iter().enumerate() {
+            if ans.async_save {
+                n_async += 1;
+                self.counters.child(i, Child::AsyncSaves, 1);
+            }
+            if let Some(p) = ans.params {
+                sources.push((i, p));
+            }
+        }
+        if want_extra {
+            self.counters
+                .total(Total::ExtraCachedTokens, state.loaded_tokens);
+            sources.push((
+                self.names.len(),
+                own(state.loaded_tokens).map_err(MuxError::Host)?,
+            ));
+        }
+        let extra = if seen.is_some() {
+            n_async.saturating_sub(1)
+        } else {
+            0
+        };
+        if extra > 0 {
+            self.counters
+                .total(Total::ExtraAsyncSaves, u64::from(extra));
+            self.lock_outbox()
+                .extra_async_saves
+                .insert(req_id.to_owned(), extra);
+        }
+        let (params, new_clashes) = match sources.len() {
+            0 => (None, Vec::new()),
+            1 => (
+                sources.pop().map(|(_, p)| FinishedParams::Source(p)),
+                Vec::new(),
+            ),
+            _ => {
+                let (merged, warn) = self.merge(&hooks, sources)?;
+                (Some(FinishedParams::Merged(merged)), warn)
+            }
+        };
+        Ok(Finished {
+            async_save: n_async > 0,
+            params,
+            new_clashes,
+            contained,
+        })
+    }
+
+    /// `register_finished_partial_tail`: true when any child keeps the
+    /// request's blocks for a partial tail. Failures are contained as in
+    /// [`Mux::finish`] (a contained child answers false).
+    #[allow(clippy::type_complexity)]
+    pub fn partial_tail<E>(
+        &self,
+        req_id: &str,
+        call: impl FnMut(usize) -> Result<bool, ChildFault<E>>,
+    ) -> Result<(bool, Vec<Contained<E>>), MuxError<E>> {
+        let (answers, contained) =
+            self.call_on_exit(req_id, &|_| hook::PARTIAL_TAIL, || false, call)?;
+        Ok((answers.into_iter().any(|a| a), contained))
+    }
+
+    /// Call every child for a request on its way out; see [`Mux::finish`].
+    #[allow(clippy::type_complexity)]
+    fn call_on_exit<T, E>(
+        &self,
+        req_id: &str,
+        hooks: &impl Fn(usize) -> &'static str,
+        default: impl Fn() -> T,
+        mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
+    ) -> Result<(Vec<T>, Vec<Contained<E>>), MuxError<E>> {
+        let n = self.names.len();
+        let took_part = self.table.get(req_id).map_or(0, |s| s.took_part);
+        let mut answers = Vec::with_capacity(n);
+        let mut contained = Vec::new();
+        let mut error = None;
+        for i in 0..n {
+            match call(i) {
+                Ok(a) => answers.push(a),
+                Err(fault) => {
+                    answers.push(default());
+                    if took_part & (1u64 << i) != 0 {
+                        error.get_or_insert(MuxError::child(i, hooks(i), fault));
+                    } else {
+                        self.counters.child(i, Child::ContainedErrors, 1);
+                        let bit = 1u64 << i;
+                        let first = self.warned_contained.fetch_or(bit, Relaxed) & bit == 0;
+                        contained.push(Contained {
+                            child: i,
+                            hook: hooks(i),
+                            first,
+                            fault,
+                        });
+                    }
+                }
+            }
+        }
+        if let Some(e) = error {
+            self.forget(req_id);
+            return Err(e);
+        }
+        Ok((answers, contained))
+    }
+
+    /// Merge several sources' params under the clash policy; the resolved
+    /// clashes whose key was never warned about are returned to warn about.
+    #[allow(clippy::type_complexity)]
+    fn merge<P: Params>(
+        &self,
+        hooks: &impl Fn(usize) -> &'static str,
+        sources: Vec<(usize, P)>,
+    ) -> Result<(Vec<(String, P::Value)>, Vec<Clash>), MuxError<P::Error>> {
+        let mut pairs = Vec::with_capacity(sources.len());
+        for (i, p) in &sources {
+            let kv = p.entries().map_err(|fault| match fault {
+                ChildFault::Raised(e) => MuxError::Host(e),
+                malformed => MuxError::child(*i, hooks(*i), malformed),
+            })?;
+            pairs.push((*i, kv));
+        }
+        match merge::merge(self.clash, pairs) {
+            Ok(out) => {
+                self.counters
+                    .total(Total::ClashesResolved, out.resolved.len() as u64);
+                let warn = out
+                    .resolved
+                    .into_iter()
+                    .filter(|c| self.warned_keys.insert(c.key.clone()))
+                    .collect();
+                let merged = out.entries.into_iter().map(|e| (e.key, e.value)).collect();
+                Ok((merged, warn))
+            }
+            Err(MergeError::Compare(e)) => Err(MuxError::Host(e)),
+            Err(MergeError::Clash(c)) => {
+                self.counters.total(Total::ClashesRaised, 1);
+                Err(MuxError::ParamClash {
+                    key: c.key,
+                    first: c.first,
+                    second: c.second,
+                    policy: self.clash.as_str(),
+                })
+            }
+        }
+    }
+
+    /// What the workers must be told with the next step's metadata (taken:
+    /// the next call returns only what happened since).
+    pub fn take_outbox(&self) -> Outbox {
+        let mut out = self.lock_outbox();
+        if out.is_empty() {
+            return Outbox::default();
+        }
+        std::mem::take(&mut *out)
+    }
+
+    fn lock_outbox(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        self.outbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn watch(&self, req_id: &str, blocks: Vec<u32>) {
+        if self.watched.insert(req_id.to_owned(), blocks).is_none() {
+            self.n_watched.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn unwatch(&self, req_id: &str) {
+        if self.n_watched.load(Relaxed) > 0 && self.watched.remove(req_id).is_some() {
+            self.n_watched.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// Whether any planned load is watched for errors.
+    pub fn watching(&self) -> bool {
+        self.n_watched.load(Relaxed) > 0
+    }
+
+    /// The workers report failed loads (`invalid_block` of device blocks,
+    /// `failed_request` of whole requests): each watched request whose load
+    /// they hit stops counting the tokens vLLM recomputes (a failed request
+    /// all of them; otherwise every token from its first invalid block on)
+    /// and leaves the watch (a retry is a new load). Returns how many
+    /// requests lost tokens.
+    pub fn load_errors(
+        &self,
+        invalid_block: impl Fn(u32) -> bool,
+        failed_request: impl Fn(&str) -> bool,
+    ) -> usize {
+        if !self.watching() {
+            return 0;
+        }
+        let bs = self.block_size;
+        let mut hit = Vec::new();
+        for e in self.watched.iter() {
+            let Some(st) = self.table.get(e.key()).filter(|s| s.loaded_tokens > 0) else {
+                continue;
+            };
+            let (local, external) = (st.local_hit_tokens, st.loaded_tokens);
+            let lost = if failed_request(e.key()) {
+                external
+            } else {
+                let end = local + external;
+                let blocks = e.value();
+                let last = blocks.len().min(end.div_ceil(bs) as usize);
+                ((local / bs) as usize..last)
+                    .find(|&idx| invalid_block(blocks[idx]))
+                    .map_or(0, |idx| end - local.max(idx as u64 * bs))
+            };
+            if lost > 0 {
+                hit.push((e.key().clone(), lost));
+            }
+        }
+        for (req_id, lost) in &hit {
+            self.table.load_failed(req_id, *lost);
+            self.unwatch(req_id);
+        }
+        hit.len()
+    }
+
+    /// Worker side: requests reported finished sending, blocks failed to load.
+    pub fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
+        self.counters
+            .total(Total::FinishedSending, finished_sending);
+        self.counters
+            .total(Total::LoadFailedBlocks, load_failed_blocks);
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        self.counters.snapshot()
+    }
+
+    pub fn take_interval(&self) -> Snapshot {
+        self.counters.take_interval()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Params of a test child: (key, value) pairs; an empty key stands for
+    /// a key that is not a string.
+    #[derive(Clone, Debug, PartialEq)]
+    struct P(Vec<(&'static str, i64)>);
+
+    #[derive(Clone, Debug, PartialEq)]
+    struct V(i64);
+
+    impl ValueEq for V {
+        type Error = String;
+        fn value_eq(&self, other: &Self) -> Result<bool, String> {
+            if self.0 < 0 || other.0 < 0 {
+                return Err("cannot compare".into());
+            }
+            Ok(self.0 == other.0)
+        }
+    }
+
+    impl Params for P {
+        type Value = V;
+        type Error = String;
+        fn entries(&self) -> Result<Vec<(String, V)>, ChildFault<String>> {
+            self.0
+                .iter()
+                .map(|&(k, v)| {
+                    if k.is_empty() {
+                        Err(ChildFault::Malformed("a key that is not a str".into()))
+                    } else {
+                        Ok((k.to_owned(), V(v)))
+                    }
+                })
+                .collect()
+        }
+    }
+
+    type R<T> = Result<T, ChildFault<String>>;
+
+    fn mux(n: usize, clash: ClashPolicy, load: LoadPolicy) -> Mux {
+        let names = (0..n).map(|i| format!("c{i}")).collect();
+        Mux::new::<String>(names, clash, load, 16).unwrap()
+    }
+
+    fn hit(tokens: u64) -> R<ChildMatch> {
+        Ok(ChildMatch {
+            tokens: Some(tokens),
+            load_async: false,
+        })
+    }
+
+    fn own(n: u64) -> Result<P, String> {
+        Ok(P(vec![(EXTRA_KEY, n as i64)]))
+    }
+
+    fn done(async_save: bool, params: Option<P>) -> R<ChildFinish<P>> {
+        Ok(ChildFinish { async_save, params })
+    }
+
+    fn finish_with(
+        m: &Mux,
+        req: &str,
+        want_extra: bool,
+        answers: Vec<R<ChildFinish<P>>>,
+    ) -> Result<Finished<P, V, String>, MuxError<String>> {
+        let mut answers = answers.into_iter();
+        m.finish(
+            req,
+            |_| hook::FINISHED,
+            want_extra,
+            own,
+            |_| answers.next().unwrap(),
+        )
+    }
+
+    fn no_tell(_: usize, _: u64) -> R<()> {
+        Ok(())
+    }
+
+    fn no_blocks() -> Result<Vec<u32>, String> {
+        Ok(vec![])
+    }
+
+    #[test]
+    fn new_refuses_zero_or_too_many_children() {
+        for n in [0, MAX_CHILDREN + 1] {
+            let names = (0..n).map(|i| i.to_string()).collect();
+            let err = Mux::new::<String>(names, ClashPolicy::Error, LoadPolicy::First, 16);
+            assert!(matches!(err, Err(MuxError::Config(_))));
+        }
+    }
+
+    #[test]
+    fn lookup_chooses_by_policy_and_counts_hits() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
+        let got = m.lookup("r", 32, |i| hit([0, 16, 48][i])).unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(48), Some(2)));
+        assert_eq!(m.chosen("r"), Some(2));
+        let snap = m.snapshot();
+        assert_eq!(snap.children[0][Child::Lookups as usize], 1);
+        assert_eq!(snap.children[0][Child::Hits as usize], 0);
+        assert_eq!(snap.children[1][Child::HitTokens as usize], 16);
+    }
+
+    #[test]
+    fn not_ready_lookup_counts_nothing_and_keeps_the_choice() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(16)).unwrap();
+        let got = m
+            .lookup("r", 0, |i| -> R<ChildMatch> {
+                Ok(ChildMatch {
+                    tokens: (i == 0).then_some(16),
+                    load_async: false,
+                })
+            })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.chosen("r"), Some(0));
+        assert_eq!(m.snapshot().children[0][Child::Lookups as usize], 1);
+    }
+
+    #[test]
+    fn lookup_fault_names_the_child_and_drops_state() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(16)).unwrap();
+        let err = m
+            .lookup("r", 0, |i| {
+                if i == 1 {
+                    Err(ChildFault::Raised("boom".to_owned()))
+                } else {
+                    hit(0)
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                hook: hook::LOOKUP,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn load_async_with_zero_tokens_is_malformed() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        let err = m
+            .lookup("r", 0, |_| -> R<ChildMatch> {
+                Ok(ChildMatch {
+                    tokens: Some(0),
+                    load_async: true,
+                })
+            })
+            .unwrap_err();
+        match err {
+            MuxError::Child {
+                fault: ChildFault::Malformed(why),
+                ..
+            } => assert!(why.contains("load_async=True with 0 tokens")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn allocation_tells_the_chosen_child_only_and_watches_its_load() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i| hit([0, 32, 64][i])).unwrap();
+        let mut told = vec![];
+        let chosen = m
+            .allocated(
+                "r",
+                32,
+                || Ok::<_, String>(vec![7, 8]),
+                |i, n| {
+                    told.push((i, n));
+                    Ok(())
+                },
+            )
+            .unwrap();
+        assert_eq!(chosen, Some(1));
+        assert_eq!(told, [(0, 0), (1, 32), (2, 0)]);
+        assert!(m.watching());
+        let s = m.snapshot();
+        assert_eq!(s.children[1][Child::Loads as usize], 1);
+        assert_eq!(s.children[1][Child::LoadTokens as usize], 32);
+        // The second call vLLM makes after an async load tells everyone 0.
+        told.clear();
+        let again = m
+            .allocated("r", 0, no_blocks, |i, n| {
+                told.push((i, n));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(again, None);
+        assert_eq!(told, [(0, 0), (1, 0), (2, 0)]);
+    }
+
+    #[test]
+    fn allocation_fault_drops_state_and_watch() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(16)).unwrap();
+        let err = m
+            .allocated(
+                "r",
+                16,
+                || Ok(vec![1]),
+                |i, _| {
+                    if i == 1 {
+                        Err(ChildFault::Raised("no".to_owned()))
+                    } else {
+                        Ok(())
+                    }
+                },
+            )
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                hook: hook::ALLOC,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert!(!m.watching());
+    }
+
+    #[test]
+    fn finish_reports_loaded_tokens_when_asked_and_passes_one_source_uncopied() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 16, |i| hit([0, 32][i])).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        let f = finish_with(&m, "r", true, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 32)])))
+        );
+        assert_eq!(m.live_requests(), 0);
+        let one = P(vec![("remote", 1)]);
+        let f = finish_with(
+            &m,
+            "s",
+            false,
+            vec![done(false, Some(one.clone())), done(false, None)],
+        )
+        .unwrap();
+        assert_eq!(f.params, Some(FinishedParams::Source(one)));
+        let f = finish_with(&m, "t", false, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(f.params, None);
+        assert_eq!(m.snapshot().totals[Total::Finished as usize], 3);
+        assert_eq!(m.snapshot().totals[Total::ExtraCachedTokens as usize], 32);
+    }
+
+    #[test]
+    fn several_async_savers_make_the_workers_wait_for_the_rest() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(0)).unwrap();
+        let f = finish_with(
+            &m,
+            "r",
+            false,
+            vec![done(true, None), done(true, None), done(true, None)],
+        )
+        .unwrap();
+        assert!(f.async_save);
+        let out = m.take_outbox();
+        assert_eq!(out.extra_async_saves.get("r"), Some(&2));
+        assert!(m.take_outbox().is_empty(), "taken once");
+        assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
+    }
+
+    #[test]
+    fn untracked_request_never_waits_for_extra_saves() {
+        // A request never looked up (aborted while waiting) or finished twice.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let f = finish_with(&m, "x", false, vec![done(true, None), done(true, None)]).unwrap();
+        assert!(f.async_save);
+        assert!(m.take_outbox().is_empty());
+    }
+
+    #[test]
+    fn failure_of_a_child_that_never_took_part_is_contained() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let f = finish_with(
+            &m,
+            "x",
+            true,
+            vec![Err(ChildFault::Raised("tracker".into())), done(true, None)],
+        )
+        .unwrap();
+        assert!(f.async_save);
+        assert_eq!(f.contained.len(), 1);
+        assert!(f.contained[0].first && f.contained[0].child == 0);
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 0)])))
+        );
+        assert_eq!(m.take_outbox().dropped_saves.get("x"), Some(&vec![0]));
+        let again = finish_with(
+            &m,
+            "y",
+            false,
+            vec![Err(ChildFault::Raised("tracker".into())), done(false, None)],
+        )
+        .unwrap();
+        assert!(!again.contained[0].first, "loud once per child");
+        assert_eq!(m.snapshot().children[0][Child::ContainedErrors as usize], 2);
+    }
+
+    #[test]
+    fn failure_of_a_child_that_took_part_raises_after_calling_everyone() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(0)).unwrap();
+        let mut called = vec![];
+        let err = m
+            .finish(
+                "r",
+                |_| hook::FINISHED_ALL_GROUPS,
+                false,
+                own,
+                |i| {
+                    called.push(i);
+                    if i == 0 {
+                        Err(ChildFault::Raised("x".to_owned()))
+                    } else {
+                        done(false, None)
+                    }
+                },
+            )
+            .unwrap_err();
+        assert_eq!(called, [0, 1, 2]);
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                hook: hook::FINISHED_ALL_GROUPS,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert!(m.take_outbox().is_empty());
+    }
+
+    #[test]
+    fn clash_policies_on_finish() {
+        let a = || done(false, Some(P(vec![("k", 1), ("a", 5)])));
+        let b = || done(false, Some(P(vec![("k", 2)])));
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let err = finish_with(&m, "r", false, vec![a(), b()]).unwrap_err();
+        assert!(
+            matches!(err, MuxError::ParamClash { ref key, first: 0, second: 1, policy: "error" } if key == "k")
+        );
+        assert_eq!(m.snapshot().totals[Total::ClashesRaised as usize], 1);
+
+        let m = mux(2, ClashPolicy::Last, LoadPolicy::First);
+        let f = finish_with(&m, "r", false, vec![a(), b()]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Merged(vec![
+                ("k".into(), V(2)),
+                ("a".into(), V(5))
+            ]))
+        );
+        assert_eq!(f.new_clashes.len(), 1);
+        let f = finish_with(&m, "s", false, vec![a(), b()]).unwrap();
+        assert!(f.new_clashes.is_empty(), "warned once per key");
+        assert_eq!(m.snapshot().totals[Total::ClashesResolved as usize], 2);
+    }
+
+    #[test]
+    fn own_params_clash_like_a_child() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        let child = done(false, Some(P(vec![(EXTRA_KEY, 9)])));
+        let err = finish_with(&m, "r", true, vec![child]).unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::ParamClash {
+                first: 0,
+                second: 1,
+                ..
+            }
+        ));
+        assert_eq!(m.name(1), "kvmux");
+    }
+
+    #[test]
+    fn malformed_params_name_the_child_and_failed_compare_is_the_hosts() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let bad = done(false, Some(P(vec![("", 1)])));
+        let err = finish_with(&m, "r", false, vec![done(false, Some(P(vec![]))), bad]).unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                fault: ChildFault::Malformed(_),
+                ..
+            }
+        ));
+        let neg = || done(false, Some(P(vec![("k", -1)])));
+        let err = finish_with(&m, "s", false, vec![neg(), neg()]).unwrap_err();
+        assert!(matches!(err, MuxError::Host(_)));
+    }
+
+    #[test]
+    fn partial_tail_is_any_and_contains_like_finish() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let (keep, contained) = m
+            .partial_tail("x", |i| {
+                if i == 0 {
+                    Err(ChildFault::Raised("x".to_owned()))
+                } else {
+                    Ok(true)
+                }
+            })
+            .unwrap();
+        assert!(keep);
+        assert_eq!(contained.len(), 1);
+        m.lookup("r", 0, |_| hit(0)).unwrap();
+        let err = m
+            .partial_tail("r", |_| Err(ChildFault::Raised("y".to_owned())))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                hook: hook::PARTIAL_TAIL,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn load_errors_take_back_tokens_from_the_first_bad_block() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        // 16 local tokens (block 0), 48 loaded into blocks 1..=3.
+        m.lookup("r", 16, |_| hit(48)).unwrap();
+        m.allocated("r", 48, || Ok::<_, String>(vec![10, 11, 12, 13]), no_tell)
+            .unwrap();
+        assert_eq!(m.load_errors(|b| b == 10, |_| false), 0, "local block");
+        assert_eq!(m.load_errors(|b| b == 12, |_| false), 1);
+        assert!(!m.watching(), "reported once");
+        let f = finish_with(&m, "r", true, vec![done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 16)])))
+        );
+    }
+
+    #[test]
+    fn failed_request_loses_every_loaded_token() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(32)).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
+        let f = finish_with(&m, "r", true, vec![done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 0)])))
+        );
+    }
+
+    #[test]
+    fn finish_and_forget_end_the_watch() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_| hit(32)).unwrap();
+        m.allocated("r", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
+            .unwrap();
+        finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
+        assert!(!m.watching());
+        m.lookup("s", 0, |_| hit(32)).unwrap();
+        m.allocated("s", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
+            .unwrap();
+        m.forget("s");
+        assert!(!m.watching());
+    }
+
+    proptest! {
+        /// Whatever the children answer, a finished request leaves no state
+        /// and the workers wait for exactly (savers - 1) extra completions.
+        #[test]
+        fn finish_always_cleans_up(savers in proptest::collection::vec(any::<bool>(), 1..8),
+                                   looked_up in any::<bool>(),
+                                   fail in proptest::option::of(0usize..8)) {
+            let n = savers.len();
+            let m = mux(n, ClashPolicy::Error, LoadPolicy::First);
+            if looked_up {
+                m.lookup("r", 0, |_| hit(0)).unwrap();
+            }
+            let res = m.finish("r", |_| hook::FINISHED, false, own, |i| {
+                if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }
+                else { done(savers[i], None) }
+            });
+            prop_assert_eq!(m.live_requests(), 0);
+            let out = m.take_outbox();
+            let failed = fail.filter(|&f| f < n);
+            match (res, failed) {
+                (Err(_), Some(_)) => prop_assert!(looked_up && out.is_empty()),
+                (Ok(f), _) => {
+                    let k = savers.iter().enumerate()
+                        .filter(|&(i, &s)| s && Some(i) != failed).count() as u32;
+                    prop_assert_eq!(f.async_save, k > 0);
+                    let extra = if looked_up { k.saturating_sub(1) } else { 0 };
+                    prop_assert_eq!(out.extra_async_saves.get("r").copied().unwrap_or(0), extra);
+                    prop_assert_eq!(out.dropped_saves.contains_key("r"), failed.is_some());
+                }
+                (Err(e), None) => prop_assert!(false, "unexpected {:?}", e),
+            }
+        }
+    }
+}
