@@ -1,40 +1,95 @@
-//! The only file that knows PyO3: thin, coarse wrappers over the core.
+//! The only file that knows PyO3. It converts, and nothing else: Python
+//! answers of the children into the core's values, the core's answers and
+//! errors into Python objects and exceptions. The rules live in `mux.rs`,
+//! `saves.rs`, `block_index.rs`.
 //!
-//! Each method covers one whole connector event (a lookup over every child,
-//! a whole `request_finished`, a whole `get_finished` batch), so one Python
-//! call into Rust replaces a Python loop.
+//! The multiplexer's scheduler-side hooks are methods of [`PyMux`], bound
+//! on the connector instance: vLLM's call goes straight into Rust, which
+//! calls the children that matter (their bound methods, handed over once at
+//! construction) and records the request's state, with no Python frame of
+//! kvmux's in between.
 
-use dashmap::DashSet;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::types::PyBytes;
-
 use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
-use crate::merge::{self, ClashPolicy, MergeError, ValueEq};
-use crate::requests::{ChildMatch, LoadPolicy, RequestTable, MAX_CHILDREN};
+use crate::error::{ChildFault, MuxError};
+use crate::merge::{ClashPolicy, ValueEq};
+use crate::mux::{hook, ChildFinish, Contained, FinishedParams, Mux, Params, EXTRA_KEY};
+use crate::requests::{ChildMatch, LoadPolicy, MAX_CHILDREN};
 use crate::saves::SaveCountdown;
-use crate::stats::{Child, Counters, Snapshot, Total, CHILD_NAMES, TOTAL_NAMES};
+use crate::stats::{Snapshot, Total, CHILD_NAMES, TOTAL_NAMES};
 
-/// The key kvmux itself adds to a finished request's params on request.
-const EXTRA_KEY: &str = "num_extra_cached_tokens";
-/// The name kvmux's own params go by in clash reports.
-const SELF_NAME: &str = "kvmux";
+// ------------------------------------------------------------------ errors
 
-/// Raise `kvmux.errors.<name>(*args)`. Only reached on error paths.
-fn kvmux_error<'py, A>(py: Python<'py>, name: &str, args: A) -> PyErr
+/// kvmux's Python exception classes, bound once by `kvmux.errors` at import
+/// (`_core.bind_errors`).
+struct ErrorTypes {
+    child: Py<PyType>,
+    clash: Py<PyType>,
+    config: Py<PyType>,
+}
+
+static ERRORS: PyOnceLock<ErrorTypes> = PyOnceLock::new();
+
+/// Called once by `kvmux.errors`: the classes the core's errors become.
+#[pyfunction]
+fn bind_errors(
+    py: Python<'_>,
+    child: Bound<'_, PyType>,
+    clash: Bound<'_, PyType>,
+    config: Bound<'_, PyType>,
+) {
+    let _ = ERRORS.set(
+        py,
+        ErrorTypes {
+            child: child.unbind(),
+            clash: clash.unbind(),
+            config: config.unbind(),
+        },
+    );
+}
+
+fn raise<'py, A>(py: Python<'py>, cls: fn(&ErrorTypes) -> &Py<PyType>, args: A) -> PyErr
 where
     A: pyo3::call::PyCallArgs<'py>,
 {
-    let build = || -> PyResult<PyErr> {
-        let cls = py.import("kvmux.errors")?.getattr(name)?;
-        Ok(PyErr::from_value(cls.call1(args)?))
+    let Some(types) = ERRORS.get(py) else {
+        return PyRuntimeError::new_err("kvmux._core used before kvmux.errors was imported");
     };
-    build().unwrap_or_else(|e| e)
+    match cls(types).bind(py).call1(args) {
+        Ok(e) => PyErr::from_value(e),
+        Err(e) => e,
+    }
 }
+
+/// `"TypeName: message"` of a Python exception.
+fn describe(py: Python<'_>, e: &PyErr) -> String {
+    let name = e
+        .get_type(py)
+        .name()
+        .map_or_else(|_| "Exception".to_owned(), |n| n.to_string());
+    format!("{name}: {}", e.value(py))
+}
+
+fn fault_detail(py: Python<'_>, hook: &str, fault: &ChildFault<PyErr>) -> String {
+    match fault {
+        ChildFault::Raised(e) => describe(py, e),
+        ChildFault::Malformed(why) => format!("{why}; it must return {}", hook::contract(hook)),
+    }
+}
+
+fn repr(obj: &Bound<'_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
+}
+
+// ------------------------------------------------------------ conversions
 
 /// A Python value compared with Python's `==`.
 struct PyVal<'py>(Bound<'py, PyAny>);
@@ -46,324 +101,331 @@ impl ValueEq for PyVal<'_> {
     }
 }
 
-/// Scheduler-side state of one `KvmuxConnector`.
-#[pyclass(frozen, module = "kvmux._core")]
-pub struct MuxCore {
-    names: Vec<String>,
-    clash: ClashPolicy,
-    load: LoadPolicy,
-    table: RequestTable,
-    counters: Counters,
-    warned_keys: DashSet<String>,
+/// A child's (or kvmux's own) params dict.
+struct PyParams<'py>(Bound<'py, PyDict>);
+
+impl<'py> Params for PyParams<'py> {
+    type Value = PyVal<'py>;
+    type Error = PyErr;
+    fn entries(&self) -> Result<Vec<(String, PyVal<'py>)>, ChildFault<PyErr>> {
+        let mut kv = Vec::with_capacity(self.0.len());
+        for (k, v) in self.0.iter() {
+            let Ok(key) = k.cast::<PyString>() else {
+                return Err(ChildFault::Malformed(format!(
+                    "returned a params key {} that is not a str",
+                    repr(&k)
+                )));
+            };
+            kv.push((
+                key.to_str().map_err(ChildFault::Raised)?.to_owned(),
+                PyVal(v),
+            ));
+        }
+        Ok(kv)
+    }
 }
 
-impl MuxCore {
-    fn name(&self, i: usize) -> &str {
-        self.names.get(i).map_or(SELF_NAME, String::as_str)
+fn malformed<T>(why: String) -> Result<T, ChildFault<PyErr>> {
+    Err(ChildFault::Malformed(why))
+}
+
+/// A child's `get_num_new_matched_tokens` answer.
+fn to_match(ans: &Bound<'_, PyAny>) -> Result<ChildMatch, ChildFault<PyErr>> {
+    let Ok(tup) = ans.cast::<PyTuple>() else {
+        return malformed(format!("returned {}", repr(ans)));
+    };
+    if tup.len() != 2 {
+        return malformed(format!("returned a tuple of {} items", tup.len()));
+    }
+    let toks = tup.get_item(0).map_err(ChildFault::Raised)?;
+    let load_async = tup.get_item(1).map_err(ChildFault::Raised)?;
+    let tokens = if toks.is_none() {
+        None
+    } else {
+        let Ok(n) = toks.extract::<i64>() else {
+            return malformed(format!("returned token count {}", repr(&toks)));
+        };
+        if n < 0 {
+            return malformed(format!("returned a negative token count {n}"));
+        }
+        Some(n as u64)
+    };
+    let Ok(load_async) = load_async.extract::<bool>() else {
+        return malformed(format!("returned load_async {}", repr(&load_async)));
+    };
+    Ok(ChildMatch { tokens, load_async })
+}
+
+/// A child's `request_finished(_all_groups)` answer.
+fn to_finish<'py>(ans: Bound<'py, PyAny>) -> Result<ChildFinish<PyParams<'py>>, ChildFault<PyErr>> {
+    let Some(tup) = ans.cast::<PyTuple>().ok().filter(|t| t.len() == 2) else {
+        return malformed(format!("returned {}", repr(&ans)));
+    };
+    let Ok(async_save) = tup
+        .get_item(0)
+        .map_err(ChildFault::Raised)?
+        .extract::<bool>()
+    else {
+        return malformed(format!("returned async_save {}", repr(&ans)));
+    };
+    let params = tup.get_item(1).map_err(ChildFault::Raised)?;
+    let params = if params.is_none() {
+        None
+    } else {
+        match params.cast_into::<PyDict>() {
+            Ok(d) => Some(PyParams(d)),
+            Err(e) => {
+                return malformed(format!("returned params {}", repr(e.into_inner().as_any())))
+            }
+        }
+    };
+    Ok(ChildFinish { async_save, params })
+}
+
+/// A child's `register_finished_partial_tail` answer.
+fn to_bool(ans: &Bound<'_, PyAny>) -> Result<bool, ChildFault<PyErr>> {
+    ans.is_truthy().map_err(ChildFault::Raised)
+}
+
+/// One hook of every child: the bound method to call, or the constant it
+/// always answers (already converted; kvmux does not call it).
+struct Fanout<T> {
+    calls: Vec<Option<Py<PyAny>>>,
+    consts: Vec<Result<T, String>>,
+}
+
+impl<T: Clone> Fanout<T> {
+    /// From `[(call?, method or constant answer)]`; `None`: every child
+    /// answers `default`.
+    fn new(
+        plan: Option<Vec<(bool, Bound<'_, PyAny>)>>,
+        n: usize,
+        default: T,
+        convert: impl Fn(&Bound<'_, PyAny>) -> Result<T, ChildFault<PyErr>>,
+    ) -> PyResult<Self> {
+        let Some(plan) = plan else {
+            return Ok(Self {
+                calls: (0..n).map(|_| None).collect(),
+                consts: vec![Ok(default); n],
+            });
+        };
+        if plan.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "a hook plan needs one entry per child ({n}), got {}",
+                plan.len()
+            )));
+        }
+        let mut calls = Vec::with_capacity(n);
+        let mut consts = Vec::with_capacity(n);
+        for (call, obj) in plan {
+            if call {
+                calls.push(Some(obj.unbind()));
+                consts.push(Ok(default.clone()));
+            } else {
+                calls.push(None);
+                consts.push(convert(&obj).map_err(|f| match f {
+                    ChildFault::Malformed(why) => why,
+                    ChildFault::Raised(e) => e.to_string(),
+                }));
+            }
+        }
+        Ok(Self { calls, consts })
     }
 
-    fn parse_match(
+    /// Child `i`'s answer: its constant, or `call(method)` converted.
+    fn answer<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         i: usize,
-        ans: &Bound<'_, PyAny>,
-    ) -> PyResult<ChildMatch> {
-        let bad = |why: String| {
-            kvmux_error(
-                py,
-                "KvmuxChildError",
-                (
-                    self.name(i).to_owned(),
-                    "get_num_new_matched_tokens",
-                    format!("{why}; it must return (int >= 0 or None, bool)"),
-                ),
-            )
-        };
-        let tup = ans
-            .cast::<PyTuple>()
-            .map_err(|_| bad(format!("returned {}", repr(ans))))?;
-        if tup.len() != 2 {
-            return Err(bad(format!("returned a tuple of {} items", tup.len())));
+        call: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
+        convert: impl FnOnce(Bound<'py, PyAny>) -> Result<T, ChildFault<PyErr>>,
+    ) -> Result<T, ChildFault<PyErr>> {
+        match &self.calls[i] {
+            Some(f) => convert(call(f.bind(py)).map_err(ChildFault::Raised)?),
+            None => self.consts[i].clone().map_err(ChildFault::Malformed),
         }
-        let (toks, load_async) = (tup.get_item(0)?, tup.get_item(1)?);
-        let tokens = if toks.is_none() {
-            None
-        } else {
-            let n: i64 = toks
-                .extract()
-                .map_err(|_| bad(format!("returned token count {}", repr(&toks))))?;
-            if n < 0 {
-                return Err(bad(format!("returned a negative token count {n}")));
-            }
-            Some(n as u64)
-        };
-        let load_async: bool = load_async
-            .extract()
-            .map_err(|_| bad(format!("returned load_async {}", repr(&load_async))))?;
-        if load_async && tokens == Some(0) {
-            return Err(bad("returned load_async=True with 0 tokens".to_owned()));
-        }
-        Ok(ChildMatch { tokens, load_async })
     }
 }
 
-fn repr(obj: &Bound<'_, PyAny>) -> String {
-    obj.repr()
-        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
+type Plan<'py> = Option<Vec<(bool, Bound<'py, PyAny>)>>;
+
+// --------------------------------------------------------------- the mux
+
+/// The multiplexer (see `mux.rs`), with its children's hooks.
+#[pyclass(frozen, name = "Mux", module = "kvmux._core")]
+pub struct PyMux {
+    core: Mux,
+    logger: Py<PyAny>,
+    lookup: Fanout<ChildMatch>,
+    alloc: Vec<Option<Py<PyAny>>>,
+    finished: Fanout<bool>,
+    finished_all_groups: Fanout<bool>,
+    partial_tail: Fanout<bool>,
+    /// Child i takes every KV cache group (`request_finished_all_groups`).
+    hma: Vec<bool>,
+    all_hma: bool,
+    /// How to run a multi-group model with non-HMA children (for the error).
+    hma_fix: String,
 }
 
-#[pymethods]
-impl MuxCore {
-    #[new]
-    fn new(names: Vec<String>, clash_policy: &str, load_policy: &str) -> PyResult<Self> {
-        if names.is_empty() || names.len() > MAX_CHILDREN {
-            return Err(PyValueError::new_err(format!(
-                "a multiplexer needs 1 to {MAX_CHILDREN} children, got {}",
-                names.len()
-            )));
-        }
-        Ok(Self {
-            counters: Counters::new(names.len()),
-            names,
-            clash: clash_policy.parse().map_err(PyValueError::new_err)?,
-            load: load_policy.parse().map_err(PyValueError::new_err)?,
-            table: RequestTable::new(),
-            warned_keys: DashSet::new(),
-        })
-    }
-
-    /// One `get_num_new_matched_tokens` event: every child's answer in, the
-    /// multiplexer's `(tokens or None, load_async)` out.
-    fn lookup(
-        &self,
-        py: Python<'_>,
-        req_id: &str,
-        num_computed_tokens: u64,
-        answers: &Bound<'_, PyList>,
-    ) -> PyResult<(Option<u64>, bool)> {
-        if answers.len() != self.names.len() {
-            return Err(PyValueError::new_err(format!(
-                "expected {} answers, got {}",
-                self.names.len(),
-                answers.len()
-            )));
-        }
-        let mut matches = [ChildMatch {
-            tokens: None,
-            load_async: false,
-        }; MAX_CHILDREN];
-        for (i, ans) in answers.iter().enumerate() {
-            matches[i] = self.parse_match(py, i, &ans)?;
-        }
-        let matches = &matches[..self.names.len()];
-        let got = self
-            .table
-            .lookup(req_id, num_computed_tokens, self.load, matches);
-        if got.tokens.is_some() {
-            for (i, m) in matches.iter().enumerate() {
-                let toks = m.tokens.unwrap_or(0);
-                self.counters.child(i, Child::Lookups, 1);
-                if toks > 0 {
-                    self.counters.child(i, Child::Hits, 1);
-                    self.counters.child(i, Child::HitTokens, toks);
+impl PyMux {
+    fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
+        match e {
+            MuxError::Child { child, hook, fault } => {
+                let detail = fault_detail(py, hook, &fault);
+                let err = raise(
+                    py,
+                    |t| &t.child,
+                    (self.core.name(child).to_owned(), hook, detail),
+                );
+                if let ChildFault::Raised(cause) = fault {
+                    err.set_cause(py, Some(cause));
                 }
+                err
             }
+            MuxError::ParamClash {
+                key,
+                first,
+                second,
+                policy,
+            } => raise(
+                py,
+                |t| &t.clash,
+                (
+                    key,
+                    self.core.name(first).to_owned(),
+                    self.core.name(second).to_owned(),
+                    policy,
+                ),
+            ),
+            MuxError::Host(e) => e,
+            MuxError::TooManyGroups {
+                request,
+                groups,
+                children,
+            } => {
+                // Python's reprs, as in every other kvmux message.
+                let names: Vec<String> = children
+                    .iter()
+                    .map(|&i| format!("'{}'", self.core.name(i)))
+                    .collect();
+                raise(
+                    py,
+                    |t| &t.config,
+                    (format!(
+                        "request '{request}' holds KV in {groups} cache groups but children \
+                         [{}] do not support the hybrid KV cache manager and can be given \
+                         only one (they would lose the others); {}, or use only HMA-capable \
+                         children",
+                        names.join(", "),
+                        self.hma_fix
+                    ),),
+                )
+            }
+            MuxError::Config(msg) => PyValueError::new_err(msg),
         }
-        Ok((got.tokens, got.load_async))
     }
 
-    /// One `update_state_after_alloc` event: the index of the child that gets
-    /// `num_external_tokens` (None: every child gets 0).
-    fn allocated(&self, req_id: &str, num_external_tokens: u64) -> Option<usize> {
-        let chosen = self
-            .table
-            .allocated(req_id, self.names.len(), num_external_tokens);
-        if let Some(i) = chosen {
-            self.counters.child(i, Child::Loads, 1);
-            self.counters
-                .child(i, Child::LoadTokens, num_external_tokens);
+    fn log_contained(&self, py: Python<'_>, req_id: &str, contained: &[Contained<PyErr>]) {
+        for c in contained {
+            let level = if c.first { 30 } else { 10 };
+            let suffix = if c.first {
+                " (warned once per child; later ones at debug level)"
+            } else {
+                ""
+            };
+            let _ = self.logger.bind(py).call_method1(
+                intern!(py, "log"),
+                (
+                    level,
+                    "kvmux: child %r failed in %s for request %r, which it never took part in \
+                     (it ended before the child looked it up); contained: no async save, no \
+                     params from this child, counted in its contained_errors%s. Cause: %s",
+                    self.core.name(c.child),
+                    c.hook,
+                    req_id,
+                    suffix,
+                    fault_detail(py, c.hook, &c.fault),
+                ),
+            );
         }
-        chosen
     }
 
-    /// Drop a request's state without counting it as finished (a child
-    /// failed on it). True if there was state.
-    fn forget(&self, req_id: &str) -> bool {
-        self.table.finish(req_id).is_some()
-    }
-
-    /// The child chosen to load a request, if any.
-    fn chosen(&self, req_id: &str) -> Option<usize> {
-        self.table.chosen(req_id)
-    }
-
-    /// Whether child `child` took part in a live request (looked up or
-    /// allocated); False for an unknown request.
-    fn took_part(&self, req_id: &str, child: usize) -> bool {
-        self.table
-            .get(req_id)
-            .is_some_and(|s| s.child_took_part(child))
-    }
-
-    /// The load planned for a live request: `(local prefix tokens, external
-    /// tokens the chosen child loads after them)`; None when nothing loads.
-    fn loading(&self, req_id: &str) -> Option<(u64, u64)> {
-        self.table
-            .get(req_id)
-            .filter(|s| s.loaded_tokens > 0)
-            .map(|s| (s.local_hit_tokens, s.loaded_tokens))
-    }
-
-    /// External tokens of a request failed to load (vLLM recomputes them).
-    fn load_failed(&self, req_id: &str, failed_tokens: u64) {
-        self.table.load_failed(req_id, failed_tokens);
-    }
-
-    /// One `request_finished` event. `results[i]` is child i's
-    /// `(async_save, params or None)`; `want_extra` says whether the request
-    /// asked for `num_extra_cached_tokens`.
-    ///
-    /// Returns `(async_save, merged params or None, extra async completions,
-    /// clashes to warn about or None)`. The request's state is gone after
-    /// this call, whether it succeeds or raises.
-    #[allow(clippy::type_complexity)]
+    /// A finish hook, child `i` called as `hooks(i)` with `args(i)`.
     fn finish<'py>(
         &self,
         py: Python<'py>,
-        req_id: &str,
-        results: &Bound<'py, PyList>,
-        want_extra: bool,
-    ) -> PyResult<(
-        bool,
-        Option<Bound<'py, PyDict>>,
-        u32,
-        Option<Vec<(String, String, String)>>,
-    )> {
-        let seen = self.table.finish(req_id);
-        let state = seen.unwrap_or_default();
-        self.counters.total(Total::Finished, 1);
-        let mut n_async = 0u32;
-        let mut sources: Vec<(usize, Bound<'py, PyDict>)> = Vec::with_capacity(results.len() + 1);
-        for (i, res) in results.iter().enumerate() {
-            let bad = |why: String| {
-                kvmux_error(
-                    py,
-                    "KvmuxChildError",
-                    (
-                        self.name(i).to_owned(),
-                        "request_finished",
-                        format!("{why}; it must return (bool, dict or None)"),
-                    ),
-                )
+        request: &Bound<'py, PyAny>,
+        route: impl Fn(usize) -> (&'static str, Bound<'py, PyAny>),
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        let rid = request_id(request)?;
+        let req_id = rid.to_str()?;
+        let want_extra = request
+            .getattr(intern!(py, "kv_transfer_params"))
+            .ok()
+            .and_then(|p| p.cast_into::<PyDict>().ok())
+            .map(|d| d.contains(EXTRA_KEY))
+            .transpose()?
+            .unwrap_or(false);
+        let own = |n: u64| {
+            let d = PyDict::new(py);
+            d.set_item(EXTRA_KEY, n)?;
+            Ok(PyParams(d))
+        };
+        let call = |i: usize| {
+            let (hook, blocks) = route(i);
+            let fan = if hook == hook::FINISHED {
+                &self.finished
+            } else {
+                &self.finished_all_groups
             };
-            let tup = res
-                .cast::<PyTuple>()
-                .ok()
-                .filter(|t| t.len() == 2)
-                .ok_or_else(|| bad(format!("returned {}", repr(&res))))?;
-            let is_async: bool = tup
-                .get_item(0)?
-                .extract()
-                .map_err(|_| bad(format!("returned async_save {}", repr(&res))))?;
-            if is_async {
-                n_async += 1;
-                self.counters.child(i, Child::AsyncSaves, 1);
-            }
-            let params = tup.get_item(1)?;
-            if !params.is_none() {
-                let d = params.cast_into::<PyDict>().map_err(|e| {
-                    bad(format!("returned params {}", repr(e.into_inner().as_any())))
-                })?;
-                sources.push((i, d));
-            }
-        }
-        if want_extra {
-            self.counters
-                .total(Total::ExtraCachedTokens, state.loaded_tokens);
-            let own = PyDict::new(py);
-            own.set_item(EXTRA_KEY, state.loaded_tokens)?;
-            sources.push((self.names.len(), own));
-        }
-        // Extra completions are awaited only for a request kvmux tracked: a
-        // request it never saw (aborted before any lookup) or finishes a
-        // second time has no blocks anyone is saving, and an expectation the
-        // workers can never meet would leak.
-        let extra_saves = if seen.is_some() {
-            n_async.saturating_sub(1)
-        } else {
-            0
-        };
-        self.counters
-            .total(Total::ExtraAsyncSaves, u64::from(extra_saves));
-        let (params, warn) = match sources.len() {
-            0 => (None, None),
-            // One source: hand its dict back as it is, no copy.
-            1 => (sources.pop().map(|(_, d)| d), None),
-            _ => {
-                let (d, warn) = self.merge(py, &sources)?;
-                (Some(d), warn)
+            match &fan.calls[i] {
+                Some(f) => to_finish(
+                    f.bind(py)
+                        .call1((request, blocks))
+                        .map_err(ChildFault::Raised)?,
+                ),
+                None => fan.consts[i]
+                    .clone()
+                    .map(|async_save| ChildFinish {
+                        async_save,
+                        params: None,
+                    })
+                    .map_err(ChildFault::Malformed),
             }
         };
-        Ok((n_async > 0, params, extra_saves, warn))
-    }
-
-    /// Requests the table still holds.
-    fn __len__(&self) -> usize {
-        self.table.len()
-    }
-
-    /// Forget every request (vLLM's `reset_cache` does not call this: live
-    /// requests keep their state; it is for shutdown).
-    fn clear(&self) {
-        self.table.clear();
-    }
-
-    /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
-    /// "live_requests": n}`.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let out = self.counters_dict(py, &self.counters.snapshot(), false)?;
-        out.set_item("live_requests", self.table.len())?;
-        Ok(out)
-    }
-
-    /// Counters changed since the previous call, nested and without zeros,
-    /// clashes keyed by policy; None when nothing changed. One call per stats
-    /// interval, for vLLM's `get_kv_connector_stats`.
-    fn take_interval<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let delta = self.counters.take_interval();
-        if delta.is_zero() {
-            return Ok(None);
+        let done = self
+            .core
+            .finish(req_id, |i| route(i).0, want_extra, own, call)
+            .map_err(|e| self.error(py, e))?;
+        self.log_contained(py, req_id, &done.contained);
+        for c in &done.new_clashes {
+            let _ = self.logger.bind(py).call_method1(
+                intern!(py, "warning"),
+                (
+                    "kvmux: children %r and %r both return kv_transfer_params key %r; \
+                     clash_policy %r keeps one (warned once per key)",
+                    self.core.name(c.first),
+                    self.core.name(c.second),
+                    &c.key,
+                    self.core.clash_policy().as_str(),
+                ),
+            );
         }
-        self.counters_dict(py, &delta, true).map(Some)
+        let params = match done.params {
+            None => None,
+            Some(FinishedParams::Source(p)) => Some(p.0),
+            Some(FinishedParams::Merged(entries)) => {
+                let d = PyDict::new(py);
+                for (k, v) in entries {
+                    d.set_item(k, v.0)?;
+                }
+                Some(d)
+            }
+        };
+        Ok((done.async_save, params))
     }
 
-    /// Worker side: requests reported finished sending, blocks failed to load.
-    fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
-        self.counters
-            .total(Total::FinishedSending, finished_sending);
-        self.counters
-            .total(Total::LoadFailedBlocks, load_failed_blocks);
-    }
-
-    /// Count a contained failure of child `child` (see the connector).
-    fn count_contained(&self, child: usize) {
-        self.counters.child(child, Child::ContainedErrors, 1);
-    }
-
-    #[getter]
-    fn clash_policy(&self) -> &'static str {
-        self.clash.as_str()
-    }
-
-    #[getter]
-    fn names(&self) -> Vec<String> {
-        self.names.clone()
-    }
-}
-
-type Warnings = Option<Vec<(String, String, String)>>;
-
-impl MuxCore {
     /// Counters as a dict; `sparse` drops zeros and folds the clash counters
     /// into `{"clashes": {policy: n}}`.
     fn counters_dict<'py>(
@@ -374,7 +436,7 @@ impl MuxCore {
     ) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         let children = PyDict::new(py);
-        for (name, row) in self.names.iter().zip(&snap.children) {
+        for (i, row) in snap.children.iter().enumerate() {
             let d = PyDict::new(py);
             for (k, &v) in CHILD_NAMES.iter().zip(row) {
                 if v > 0 || !sparse {
@@ -382,94 +444,352 @@ impl MuxCore {
                 }
             }
             if !d.is_empty() {
-                children.set_item(name, d)?;
+                children.set_item(self.core.name(i), d)?;
             }
         }
         if !children.is_empty() || !sparse {
             out.set_item("children", children)?;
         }
-        let clashes = snap.totals[Total::ClashesResolved as usize]
-            + snap.totals[Total::ClashesRaised as usize];
+        let clash_rows = [
+            Total::ClashesResolved as usize,
+            Total::ClashesRaised as usize,
+        ];
+        let clashes: u64 = clash_rows.iter().map(|&i| snap.totals[i]).sum();
         for (i, (k, &v)) in TOTAL_NAMES.iter().zip(&snap.totals).enumerate() {
-            let is_clash =
-                i == Total::ClashesResolved as usize || i == Total::ClashesRaised as usize;
-            if sparse && (v == 0 || is_clash) {
+            if sparse && (v == 0 || clash_rows.contains(&i)) {
                 continue;
             }
             out.set_item(k, v)?;
         }
         if sparse && clashes > 0 {
             let by_policy = PyDict::new(py);
-            by_policy.set_item(self.clash.as_str(), clashes)?;
+            by_policy.set_item(self.core.clash_policy().as_str(), clashes)?;
             out.set_item("clashes", by_policy)?;
         }
         Ok(out)
     }
+}
 
-    /// Merge several children's params under the clash policy. Returns the
-    /// merged dict and the clashes resolved by `first`/`last` whose key has
-    /// not been warned about yet (the caller logs them once).
-    fn merge<'py>(
+/// `request.request_id`, as a Python str (borrow it with `to_str`).
+fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let id = request.getattr(intern!(request.py(), "request_id"))?;
+    Ok(id.cast_into::<PyString>()?)
+}
+
+#[pymethods]
+impl PyMux {
+    /// `hooks`: hook name -> one `(call, method or constant answer)` per
+    /// child (see `kvmux.children`); a hook left out is answered by every
+    /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
+    /// cache manager.
+    #[new]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        names: Vec<String>,
+        clash_policy: &str,
+        load_policy: &str,
+        block_size: u64,
+        hooks: &Bound<'_, PyDict>,
+        hma: Vec<bool>,
+        logger: Bound<'_, PyAny>,
+        hma_fix: String,
+    ) -> PyResult<Self> {
+        let n = names.len();
+        let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
+        let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
+        let core =
+            Mux::new(names, clash, load, block_size).map_err(|e: MuxError<PyErr>| match e {
+                MuxError::Config(msg) => PyValueError::new_err(msg),
+                other => PyValueError::new_err(other.to_string()),
+            })?;
+        if hma.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "hma needs one flag per child ({n}), got {}",
+                hma.len()
+            )));
+        }
+        let plan = |name: &str| -> PyResult<Plan<'_>> {
+            hooks.get_item(name)?.map(|p| p.extract()).transpose()
+        };
+        let finish_const = |a: &Bound<'_, PyAny>| {
+            to_finish(a.clone()).and_then(|f| {
+                if f.params.is_some() {
+                    malformed("returned constant params".into())
+                } else {
+                    Ok(f.async_save)
+                }
+            })
+        };
+        let no_match = ChildMatch {
+            tokens: Some(0),
+            load_async: false,
+        };
+        let alloc = match plan(hook::ALLOC)? {
+            None => (0..n).map(|_| None).collect(),
+            Some(p) if p.len() == n => p
+                .into_iter()
+                .map(|(call, f)| call.then(|| f.unbind()))
+                .collect(),
+            Some(p) => {
+                return Err(PyValueError::new_err(format!(
+                    "a hook plan needs one entry per child ({n}), got {}",
+                    p.len()
+                )))
+            }
+        };
+        Ok(Self {
+            lookup: Fanout::new(plan(hook::LOOKUP)?, n, no_match, to_match)?,
+            alloc,
+            finished: Fanout::new(plan(hook::FINISHED)?, n, false, finish_const)?,
+            finished_all_groups: Fanout::new(
+                plan(hook::FINISHED_ALL_GROUPS)?,
+                n,
+                false,
+                finish_const,
+            )?,
+            partial_tail: Fanout::new(plan(hook::PARTIAL_TAIL)?, n, false, to_bool)?,
+            all_hma: hma.iter().all(|&h| h),
+            hma,
+            hma_fix,
+            logger: logger.unbind(),
+            core,
+        })
+    }
+
+    /// vLLM's `get_num_new_matched_tokens`: every child asked (those whose
+    /// answer is constant are not called), the loading child chosen by the
+    /// load policy and remembered. A child failing raises `KvmuxChildError`
+    /// naming it, and the request's state is dropped.
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: u64,
+    ) -> PyResult<(Option<u64>, bool)> {
+        let rid = request_id(request)?;
+        let got = self
+            .core
+            .lookup(rid.to_str()?, num_computed_tokens, |i| {
+                self.lookup.answer(
+                    py,
+                    i,
+                    |f| f.call1((request, num_computed_tokens)),
+                    |a| to_match(&a),
+                )
+            })
+            .map_err(|e| self.error(py, e))?;
+        Ok((got.tokens, got.load_async))
+    }
+
+    /// vLLM's `update_state_after_alloc`: the chosen child gets
+    /// `num_external_tokens`, the others 0; every child gets the blocks.
+    fn update_state_after_alloc(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        num_external_tokens: u64,
+    ) -> PyResult<()> {
+        let rid = request_id(request)?;
+        let load_blocks = || -> PyResult<Vec<u32>> {
+            if blocks.is_none() {
+                return Ok(Vec::new());
+            }
+            let groups = blocks.call_method0(intern!(py, "get_block_ids"))?;
+            // Block-level load errors exist for single-group layouts only
+            // (vLLM refuses them otherwise); multi-group ones come as
+            // failed_recving, which needs no blocks.
+            if groups.len()? != 1 {
+                return Ok(Vec::new());
+            }
+            groups.get_item(0)?.extract()
+        };
+        self.core
+            .allocated(
+                rid.to_str()?,
+                num_external_tokens,
+                load_blocks,
+                |i, n| match &self.alloc[i] {
+                    Some(f) => f
+                        .bind(py)
+                        .call1((request, blocks, n))
+                        .map(drop)
+                        .map_err(ChildFault::Raised),
+                    None => Ok(()),
+                },
+            )
+            .map_err(|e| self.error(py, e))?;
+        Ok(())
+    }
+
+    /// vLLM's `request_finished`: every child's, with the same blocks.
+    fn request_finished<'py>(
         &self,
         py: Python<'py>,
-        sources: &[(usize, Bound<'py, PyDict>)],
-    ) -> PyResult<(Bound<'py, PyDict>, Warnings)> {
-        let mut pairs = Vec::with_capacity(sources.len());
-        for (i, d) in sources {
-            let mut kv = Vec::with_capacity(d.len());
-            for (k, v) in d.iter() {
-                let key = k.cast::<PyString>().map_err(|_| {
-                    kvmux_error(
-                        py,
-                        "KvmuxChildError",
-                        (
-                            self.name(*i).to_owned(),
-                            "request_finished",
-                            format!("returned a params key {} that is not a str", repr(&k)),
-                        ),
-                    )
-                })?;
-                kv.push((key.to_str()?.to_owned(), PyVal(v)));
-            }
-            pairs.push((*i, kv));
+        request: &Bound<'py, PyAny>,
+        block_ids: Bound<'py, PyAny>,
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        self.finish(py, request, |_| (hook::FINISHED, block_ids.clone()))
+    }
+
+    /// vLLM's `request_finished_all_groups`: a child with HMA support gets
+    /// every group, a child without gets `request_finished` with the one
+    /// group's blocks; several groups with such a child raise
+    /// `KvmuxConfigError` naming them.
+    fn request_finished_all_groups<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        block_ids: Bound<'py, PyAny>,
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        if self.all_hma {
+            return self.finish(py, request, |_| {
+                (hook::FINISHED_ALL_GROUPS, block_ids.clone())
+            });
         }
-        match merge::merge(self.clash, pairs) {
-            Ok(out) => {
-                let warn: Vec<_> = out
-                    .resolved
-                    .iter()
-                    .filter(|c| self.warned_keys.insert(c.key.clone()))
-                    .map(|c| {
-                        (
-                            c.key.clone(),
-                            self.name(c.first).to_owned(),
-                            self.name(c.second).to_owned(),
-                        )
-                    })
-                    .collect();
-                self.counters
-                    .total(Total::ClashesResolved, out.resolved.len() as u64);
-                let d = PyDict::new(py);
-                for e in out.entries {
-                    d.set_item(e.key, e.value.0)?;
-                }
-                Ok((d, (!warn.is_empty()).then_some(warn)))
+        let groups = block_ids.len()?;
+        if groups != 1 {
+            let rid = request_id(request)?;
+            let req_id = rid.to_str()?;
+            self.core.forget(req_id);
+            let children = (0..self.hma.len()).filter(|&i| !self.hma[i]).collect();
+            return Err(self.error(
+                py,
+                MuxError::TooManyGroups {
+                    request: req_id.to_owned(),
+                    groups,
+                    children,
+                },
+            ));
+        }
+        let group0 = block_ids.get_item(0)?;
+        self.finish(py, request, |i| {
+            if self.hma[i] {
+                (hook::FINISHED_ALL_GROUPS, block_ids.clone())
+            } else {
+                (hook::FINISHED, group0.clone())
             }
-            Err(MergeError::Compare(e)) => Err(e),
-            Err(MergeError::Clash(c)) => {
-                self.counters.total(Total::ClashesRaised, 1);
-                Err(kvmux_error(
+        })
+    }
+
+    /// vLLM's `register_finished_partial_tail`: true when any child keeps
+    /// the request's blocks for a partial tail (failures contained as in a
+    /// finish).
+    fn register_finished_partial_tail(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+        partial_tail_offloads: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let rid = request_id(request)?;
+        let req_id = rid.to_str()?;
+        let (keep, contained) = self
+            .core
+            .partial_tail(req_id, |i| {
+                self.partial_tail.answer(
                     py,
-                    "KvmuxParamClash",
-                    (
-                        c.key.clone(),
-                        self.name(c.first).to_owned(),
-                        self.name(c.second).to_owned(),
-                        self.clash.as_str(),
-                    ),
-                ))
-            }
+                    i,
+                    |f| f.call1((request, block_ids, partial_tail_offloads)),
+                    |a| to_bool(&a),
+                )
+            })
+            .map_err(|e| self.error(py, e))?;
+        self.log_contained(py, req_id, &contained);
+        Ok(keep)
+    }
+
+    /// The child chosen to load a request, if any.
+    fn chosen(&self, req_id: &str) -> Option<usize> {
+        self.core.chosen(req_id)
+    }
+
+    /// Drop a request's state without counting it finished. True if there was.
+    fn forget(&self, req_id: &str) -> bool {
+        self.core.forget(req_id)
+    }
+
+    /// Whether any planned load is watched for load errors.
+    #[getter]
+    fn watching(&self) -> bool {
+        self.core.watching()
+    }
+
+    /// The workers' failed loads (`invalid_block_ids`, `failed_recving`):
+    /// the tokens vLLM recomputes stop counting as loaded. Returns how many
+    /// requests lost tokens.
+    fn load_errors(
+        &self,
+        invalid_block_ids: Option<std::collections::HashSet<u32>>,
+        failed_recving: Option<std::collections::HashSet<String>>,
+    ) -> usize {
+        let invalid = invalid_block_ids.unwrap_or_default();
+        let failed = failed_recving.unwrap_or_default();
+        if invalid.is_empty() && failed.is_empty() {
+            return 0;
         }
+        self.core
+            .load_errors(|b| invalid.contains(&b), |r| failed.contains(r))
+    }
+
+    /// What the workers must be told with the next step's metadata:
+    /// `(extra async completions by request, children whose completions to
+    /// drop by request)`, each None when empty.
+    #[allow(clippy::type_complexity)]
+    fn take_outbox<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
+        let out = self.core.take_outbox();
+        let extra = if out.extra_async_saves.is_empty() {
+            None
+        } else {
+            let d = PyDict::new(py);
+            for (req, n) in out.extra_async_saves {
+                d.set_item(req, n)?;
+            }
+            Some(d)
+        };
+        let dropped = if out.dropped_saves.is_empty() {
+            None
+        } else {
+            let d = PyDict::new(py);
+            for (req, children) in out.dropped_saves {
+                d.set_item(req, PyTuple::new(py, children)?)?;
+            }
+            Some(d)
+        };
+        Ok((extra, dropped))
+    }
+
+    /// Worker side: requests reported finished sending, blocks failed to load.
+    fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
+        self.core.count_worker(finished_sending, load_failed_blocks);
+    }
+
+    /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
+    /// "live_requests": n}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = self.counters_dict(py, &self.core.snapshot(), false)?;
+        out.set_item("live_requests", self.core.live_requests())?;
+        Ok(out)
+    }
+
+    /// Counters changed since the previous call, nested and without zeros,
+    /// clashes keyed by policy; None when nothing changed (one call per
+    /// stats interval, for vLLM's `get_kv_connector_stats`).
+    fn take_interval<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let delta = self.core.take_interval();
+        if delta.is_zero() {
+            return Ok(None);
+        }
+        self.counters_dict(py, &delta, true).map(Some)
+    }
+
+    /// Requests the multiplexer holds state for.
+    fn __len__(&self) -> usize {
+        self.core.live_requests()
     }
 }
 
@@ -513,11 +833,6 @@ impl PySaveCountdown {
             }
         }
         Ok(out)
-    }
-
-    /// Completions still expected, summed over requests.
-    fn pending(&self) -> u64 {
-        self.inner.pending()
     }
 
     fn __len__(&self) -> usize {
@@ -602,20 +917,10 @@ impl PyHostIndex {
     #[new]
     #[pyo3(signature = (capacity, groups = 1))]
     fn new(capacity: usize, groups: usize) -> PyResult<Self> {
-        if capacity == 0 || capacity >= u32::MAX as usize {
-            return Err(PyValueError::new_err(format!(
-                "host index capacity must be 1 to {} blocks, got {capacity}",
-                u32::MAX - 1
-            )));
-        }
-        if groups == 0 || groups >= u32::MAX as usize {
-            return Err(PyValueError::new_err(format!(
-                "host index groups must be 1 to {}, got {groups}",
-                u32::MAX - 1
-            )));
-        }
+        let index = BlockIndex::with_groups(capacity, groups)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Self {
-            inner: Mutex::new(BlockIndex::with_groups(capacity, groups)),
+            inner: Mutex::new(index),
         })
     }
 
@@ -694,10 +999,6 @@ impl PyHostIndex {
         self.lock().clear_unpinned()
     }
 
-    fn pins(&self, slot: u32) -> u32 {
-        self.lock().pins(slot)
-    }
-
     /// Raise RuntimeError naming the first broken invariant, if any.
     fn check(&self) -> PyResult<()> {
         self.lock()
@@ -757,7 +1058,8 @@ fn py_chain_token_hashes<'py>(
 
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<MuxCore>()?;
+    m.add_class::<PyMux>()?;
+    m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
     m.add_class::<PySaveCountdown>()?;
     m.add_class::<PyHostIndex>()?;
     m.add_class::<PyServablePrefix>()?;
@@ -765,6 +1067,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;
+    m.add("EXTRA_KEY", EXTRA_KEY)?;
     m.add("CHILD_COUNTERS", CHILD_NAMES.to_vec())?;
     m.add("TOTAL_COUNTERS", TOTAL_NAMES.to_vec())?;
     Ok(())

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from harness import child, kv_cache_config, make_request, mux_config, scripted, vllm_config
 from kvmux import KvmuxConnector
-from kvmux._fanout import active_children
 from kvmux.bench.children import NoopConnector
+from tests.harness import child, kv_cache_config, make_request, mux_config, scripted, vllm_config
 
 
 class FixedMatchConnector(NoopConnector):
@@ -18,27 +17,35 @@ class FixedMatchConnector(NoopConnector):
         return 32, False
 
 
+class InstanceHookConnector(NoopConnector):
+    """Sets its lookup on the instance (as wrappers and mocks do): not a
+    method kvmux can inspect, so it must always be called."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.get_num_new_matched_tokens = lambda request, n: (16, False)
+
+
 def build(children):
     cfg = vllm_config(mux_config(children))
     return KvmuxConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
 def test_a_constant_answer_still_chooses_the_loading_child():
-    fixed = child("FixedMatchConnector", module="test_fanout")
+    fixed = child("FixedMatchConnector", module="tests.test_fanout")
     conn = build([fixed, scripted(matched=48)])
     r = make_request("r", range(100))
     assert conn.get_num_new_matched_tokens(r, 0) == (32, False)
     assert conn.mux_stats()["children"]["FixedMatchConnector"]["hits"] == 1
     # The scripted child has a real body: it is still asked.
     assert conn.children[1].calls == [("lookup", "r")]
-    assert active_children(conn, "get_num_new_matched_tokens") == (1,)
+    assert conn.active_children("get_num_new_matched_tokens") == (1,)
     conn.request_finished(r, [])
     assert conn.num_live_requests() == 0
 
 
 def test_hooks_set_on_a_child_instance_are_always_called():
     noop = child("NoopConnector", module="kvmux.bench.children")
-    conn = build([noop, noop])
-    conn.children[1].get_num_new_matched_tokens = lambda request, n: (16, False)
+    conn = build([noop, child("InstanceHookConnector", module="tests.test_fanout")])
     assert conn.get_num_new_matched_tokens(make_request("r", range(100)), 0) == (16, False)
-    assert active_children(conn, "get_num_new_matched_tokens") == (1,)
+    assert conn.active_children("get_num_new_matched_tokens") == (1,)

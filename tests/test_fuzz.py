@@ -14,17 +14,18 @@ CI runs ``KVMUX_FUZZ_EXAMPLES`` (default 200) examples of 50 requests each:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from harness import mux_config, scripted
-from kvmux._core import HostIndex, MuxCore, SaveCountdown
+from kvmux._core import HostIndex, Mux, SaveCountdown
+from tests.harness import mux_config, scripted
 
 REQUESTS_PER_EXAMPLE = 50
 EXAMPLES = int(os.environ.get("KVMUX_FUZZ_EXAMPLES", "200"))
@@ -166,9 +167,28 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
     seen["load_errors"] += sum(s.get("kvmux", {}).get("load_failed_blocks", 0) for s in d.kv_stats)
 
 
+#: A plan that preempts and fails loads whatever Hypothesis generates (20
+#: preemptions, 10 failed blocks here): 50 requests of 4 full blocks queued
+#: before the first step outgrow the 16 device blocks as they decode, and
+#: child ``a`` offers 32 tokens it then fails to load. The fuzzing test runs
+#: it first, so what it asserts it exercised does not hang on the seed, on
+#: ``KVMUX_FUZZ_EXAMPLES`` or on another test.
+PREEMPTING_PLAN = {
+    "a": {"matched": 32, "async_save": True, "not_ready": 0, "fail_loads": True},
+    "b": {"async_save": False, "params": {"b": 1}},
+    "load_policy": "first",
+    "host_blocks": 8,
+    "events": [
+        ({"prefix": i % 3, "shared": 48, "suffix": 16, "max_tokens": 6, "ask": True}, [])
+        for i in range(REQUESTS_PER_EXAMPLE)
+    ],
+}
+
+
 def test_random_lifecycles_keep_every_invariant(driver_factory):
-    """Hypothesis runs EXAMPLES plans (200 in CI: over 10,000 lifecycles);
-    the same run then shows it really preempted and really failed loads."""
+    """Hypothesis runs :data:`PREEMPTING_PLAN` and EXAMPLES generated plans
+    (200 in CI: over 10,000 lifecycles); the same run then shows it really
+    preempted and really failed loads, with every invariant checked."""
     seen: Counter = Counter()
 
     @settings(
@@ -179,12 +199,12 @@ def test_random_lifecycles_keep_every_invariant(driver_factory):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(p=plan)
+    @example(p=PREEMPTING_PLAN)
     def fuzz(p):
         run_plan(driver_factory, p, seen)
 
     fuzz()
-    if EXAMPLES >= 200:  # KVMUX_FUZZ_EXAMPLES lowers it for a quick local run
-        assert seen["lifecycles"] >= 10_000
+    assert seen["lifecycles"] >= REQUESTS_PER_EXAMPLE * (EXAMPLES + 1)
     assert seen["preemptions"] > 0, "the workload never preempted"
     assert seen["load_errors"] > 0, "no load ever failed"
 
@@ -200,11 +220,27 @@ def test_long_random_lifecycles(driver_factory, p):
 # ------------------------------------------------- the core under threads
 
 
+class _Req:
+    """What the core reads of vLLM's ``Request``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.kv_transfer_params = {"num_extra_cached_tokens": True}
+
+
 def test_python_threads_share_the_core_without_losing_a_count():
-    core = MuxCore(["a", "b"], "error", "longest")
+    """The Rust multiplexer, its children called from Rust, the save
+    countdown and the host index, hammered from 4 Python threads (real
+    parallelism on free-threaded CPython)."""
+    hooks = {
+        "get_num_new_matched_tokens": [(True, lambda r, n: (16, False))] * 2,
+        "request_finished": [(True, lambda r, b: (False, {"t": 1})), (False, (False, None))],
+    }
+    core = Mux(["a", "b"], "error", "longest", 16, hooks, [False, False], logging.getLogger(), "")
     countdown = SaveCountdown()
     index = HostIndex(64)
     ids = [f"q{i}" for i in range(32)]
+    reqs = [_Req(rid) for rid in ids]
     for rid in ids:
         countdown.expect({rid: 4 * 50 - 1})  # 4 threads x 50 completions each
     errors: list[BaseException] = []
@@ -214,10 +250,10 @@ def test_python_threads_share_the_core_without_losing_a_count():
         try:
             done: set[str] = set()
             for n in range(50):
-                for rid in ids:
-                    core.lookup(rid, 0, [(16 * (t % 2), False), (16, False)])
-                    core.allocated(rid, 16)
-                    core.finish(rid, [(False, {"t": 1}), (False, None)], True)
+                for req in reqs:
+                    assert core.get_num_new_matched_tokens(req, 0) == (16, False)
+                    core.update_state_after_alloc(req, None, 16)
+                    core.request_finished(req, [])
                 done |= countdown.complete(ids)
                 key = [bytes([t, n % 8]) * 8]
                 _, slots = index.reserve(key)

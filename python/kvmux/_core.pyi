@@ -1,6 +1,7 @@
 """Types of kvmux's Rust core (``kvmux._core``)."""
 
 from collections.abc import Iterable
+from typing import Any
 
 from typing_extensions import Self, final
 
@@ -8,78 +9,101 @@ from typing_extensions import Self, final
 __all__ = [
     "CHILD_COUNTERS",
     "CLASH_POLICIES",
+    "EXTRA_KEY",
     "LOAD_POLICIES",
     "MAX_CHILDREN",
     "TOTAL_COUNTERS",
     "HostIndex",
-    "MuxCore",
+    "Mux",
     "SaveCountdown",
     "ServablePrefix",
+    "bind_errors",
     "chain_token_hashes",
 ]
 
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 MAX_CHILDREN: int
+EXTRA_KEY: str
 CHILD_COUNTERS: list[str]
 """Names of kvmux's per-child counters, in the core's order (the one source
 of the stats keys, the Prometheus table and the README's metric list)."""
 TOTAL_COUNTERS: list[str]
 """Names of kvmux's multiplexer-wide counters, in the core's order."""
 
-class MuxCore:
-    """Scheduler-side state of one KvmuxConnector: one call per event."""
+@final
+class Mux:
+    """The multiplexer (``rust/mux.rs``) over its children's hooks. On the
+    scheduler side its hook methods are bound on the connector instance:
+    vLLM's call goes straight into Rust."""
 
-    def __init__(self, names: list[str], clash_policy: str, load_policy: str) -> None: ...
-    def lookup(
-        self,
-        req_id: str,
-        num_computed_tokens: int,
-        answers: list[tuple[int | None, bool]],
+    def __new__(
+        cls,
+        names: list[str],
+        clash_policy: str,
+        load_policy: str,
+        block_size: int,
+        hooks: dict[str, list[tuple[bool, Any]]],
+        hma: list[bool],
+        logger: Any,
+        hma_fix: str,
+    ) -> Self:
+        """``hooks``: hook name -> per child ``(True, bound method)`` to call
+        it or ``(False, its constant answer)``; a hook left out is answered by
+        every child with vLLM's default. ``hma[i]``: child i supports HMA.
+        ``logger`` gets the clash and containment warnings; ``hma_fix`` is
+        the fix named when a multi-group request meets a non-HMA child."""
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Every child's ``get_num_new_matched_tokens`` answer in; the
-        multiplexer's answer out. Raises ``KvmuxChildError`` on a malformed answer."""
-    def allocated(self, req_id: str, num_external_tokens: int) -> int | None:
-        """The child index that gets ``num_external_tokens`` (None: nobody)."""
-    def chosen(self, req_id: str) -> int | None: ...
+        """vLLM's hook. Raises ``KvmuxChildError`` naming a failing child."""
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None: ...
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Raises ``KvmuxParamClash`` or ``KvmuxChildError``."""
+    def request_finished_all_groups(
+        self, request: Any, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Raises ``KvmuxConfigError`` for several groups with a non-HMA child."""
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: Any, partial_tail_offloads: Any
+    ) -> bool: ...
+    def chosen(self, req_id: str) -> int | None:
+        """The child chosen to load a request, if any."""
     def forget(self, req_id: str) -> bool:
         """Drop a request's state without counting it finished."""
-    def took_part(self, req_id: str, child: int) -> bool: ...
-    def loading(self, req_id: str) -> tuple[int, int] | None:
-        """``(local prefix tokens, external tokens to load after them)`` of a
-        live request whose load is planned; None when nothing loads."""
-    def load_failed(self, req_id: str, failed_tokens: int) -> None:
-        """Some of a request's external tokens failed to load: they no longer
-        count in ``num_extra_cached_tokens``."""
-    def finish(
+    @property
+    def watching(self) -> bool:
+        """Whether any planned load is watched for load errors."""
+    def load_errors(
+        self, invalid_block_ids: set[int] | None, failed_recving: set[str] | None
+    ) -> int:
+        """Failed loads reported by the workers: the tokens vLLM recomputes
+        stop counting as loaded. Returns how many requests lost tokens."""
+    def take_outbox(
         self,
-        req_id: str,
-        results: list[tuple[bool, dict[str, object] | None]],
-        want_extra: bool,
-    ) -> tuple[bool, dict[str, object] | None, int, list[tuple[str, str, str]] | None]:
-        """``(async_save, merged params, extra async completions, new clash
-        warnings (key, first child, second child))``. Raises ``KvmuxParamClash``."""
-    def count_contained(self, child: int) -> None: ...
+    ) -> tuple[dict[str, int] | None, dict[str, tuple[int, ...]] | None]:
+        """``(extra async completions, children whose completions to drop)``
+        by request, since the last call."""
     def count_worker(self, finished_sending: int, load_failed_blocks: int) -> None: ...
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, Any]:
         """Cumulative counters plus ``live_requests``."""
-    def take_interval(self) -> dict[str, object] | None:
+    def take_interval(self) -> dict[str, Any] | None:
         """Counters changed since the previous call (nested, no zeros,
         ``clashes`` by policy); None when nothing changed."""
-    def clear(self) -> None: ...
     def __len__(self) -> int: ...
-    @property
-    def clash_policy(self) -> str: ...
-    @property
-    def names(self) -> list[str]: ...
 
+def bind_errors(child: type[Exception], clash: type[Exception], config: type[Exception]) -> None:
+    """Called once by ``kvmux.errors``: the exception classes the core raises."""
+
+@final
 class SaveCountdown:
     """Worker-side countdown of async saves."""
 
-    def __init__(self) -> None: ...
+    def __new__(cls) -> Self: ...
     def expect(self, extra: dict[str, int]) -> None: ...
     def complete(self, ids: Iterable[str]) -> set[str]: ...
-    def pending(self) -> int: ...
     def __len__(self) -> int: ...
 
 @final
@@ -123,7 +147,6 @@ class HostIndex:
     def abort(self, slots: list[int]) -> int: ...
     def unpin(self, slots: list[int]) -> None: ...
     def clear_unpinned(self) -> int: ...
-    def pins(self, slot: int) -> int: ...
     def check(self) -> None:
         """Raise RuntimeError naming the first broken invariant."""
     def stats(self) -> dict[str, int]: ...

@@ -1,10 +1,15 @@
 """``KvmuxConnector``: run several vLLM KV connectors as one.
 
-The scheduler-side bookkeeping (which child loads a request, the tokens it
-supplied, the clash-checked merge of params, async-save counts) lives in the
-Rust core (:class:`kvmux._core.MuxCore`), one call per connector event. This
-class owns every vLLM call: it asks the children, hands their answers to the
-core, and routes the core's decisions back to them.
+The connector is a facade, as vLLM's own ``OffloadingConnector`` is: it
+builds the children for its role and then either the scheduler side
+(:class:`kvmux.scheduler.MuxScheduler`, over the Rust multiplexer that holds
+every live request's state) or the worker side
+(:class:`kvmux.worker.MuxWorker`). Every hook of vLLM's connector interface
+is declared below with its contract, in the order of vLLM's
+``multi_connector.py``. The scheduler's per-request hooks are bound on the
+instance to the Rust multiplexer's methods (vLLM's call goes straight into
+Rust), and the per-layer hooks to the one child that does something; the
+methods below are what the class itself offers for them.
 
 What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 
@@ -14,18 +19,22 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 - ``load_policy`` (``first`` | ``longest``) choosing the loading child;
 - ``num_extra_cached_tokens`` in a finished request's params when its
   ``kv_transfer_params`` ask for it;
-- every child asked on a lookup (their async lookups overlap) and a stale
-  load choice never outlives a re-lookup;
+- every child asked on a lookup and a stale load choice never outlives a
+  re-lookup;
 - configuration checked with :class:`KvmuxConfigError` (not ``assert``),
   HMA refused at construction naming the children that lack it, and a
   multi-group finish without HMA raising instead of truncating;
-- per-layer hooks that call only children whose hook does something.
+- a child failing in a scheduler or worker hook raises
+  :class:`KvmuxChildError` naming it (per-layer hooks excepted, see
+  ``save_kv_layer``), and a failure on a request the child never took part
+  in is contained (see :mod:`kvmux._containment`);
+- children whose hook only returns a constant are not called at all.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,20 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._containment import DroppedSaves, call_children_on_exit, call_each_on_exit
-from kvmux._core import MuxCore, SaveCountdown
-from kvmux._fanout import (
-    active_children,
-    call_child,
-    call_children,
-    install_fanout,
-    layer_hook,
-)
-from kvmux._load_failures import LoadWatch
-from kvmux.config import HMA_FIX, MuxConfig, check_hma, parse_mux_config
-from kvmux.errors import KvmuxChildError, KvmuxConfigError
+from kvmux.children import Children
+from kvmux.config import MuxConfig, check_hma, parse_mux_config
+from kvmux.errors import KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import KvmuxStats, build_child_stats
+from kvmux.scheduler import MuxScheduler
+from kvmux.stats import KvmuxStats
+from kvmux.worker import MuxWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,10 +66,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvmux")
-
-EXTRA_KEY = "num_extra_cached_tokens"
-
 __all__ = ["KvmuxConnector"]
 
 
@@ -78,7 +76,10 @@ def _parse_from_vllm_config(vllm_config: VllmConfig) -> MuxConfig:
     return parse_mux_config(ktc)
 
 
-@install_fanout(KVConnectorBase_V1)
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector that runs the children listed in
     ``kv_connector_extra_config["connectors"]`` as one.
@@ -103,91 +104,95 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
             kv_cache_config,
         )
-        self._cfg = cfg
-        # How request_finished_all_groups reaches the children (decided once).
-        self._all_hma = cfg.all_support_hma
-        self._any_hma = any(spec.supports_hma for spec in cfg.children)
-        self._names: tuple[str, ...] = tuple(cfg.names)
-        self._children: list[KVConnectorBase_V1] = []
-        try:
-            for spec in cfg.children:
-                try:
-                    child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)
-                except Exception as e:
-                    raise KvmuxChildError(spec.name, "__init__", f"{type(e).__name__}: {e}") from e
-                self._children.append(child)
-        except BaseException:
-            self._shutdown_built()
-            raise
-        self._core = MuxCore(list(self._names), cfg.clash_policy, cfg.load_policy)
-        # Scheduler side: extra async completions to send with the next metadata.
-        self._extra_saves: dict[str, int] = {}
-        # Scheduler side: blocks of planned loads, to map load errors back.
-        self._loads = LoadWatch(vllm_config.cache_config.block_size)
-        self._load_blocks = self._loads.blocks
-        # Failures contained on requests a child never took part in (see
-        # kvmux._containment): children warned about, and the children whose
-        # completions of a request the workers drop (sent with the metadata).
-        self._contained_warned: set[int] = set()
-        self._dropped_saves: dict[str, tuple[int, ...]] = {}
-        self._dropped = DroppedSaves()
-        # Worker side: the countdown of those completions.
-        self._countdown = SaveCountdown()
+        self._children = Children(cfg, vllm_config, role, kv_cache_config)
+        self._scheduler: MuxScheduler | None = None
+        self._worker: MuxWorker | None = None
+        fast: dict[str, Callable[..., Any]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = MuxScheduler(cfg, self._children, vllm_config)
+            # vLLM's per-request calls go straight into the Rust multiplexer.
+            mux = self._scheduler.mux
+            fast["get_num_new_matched_tokens"] = mux.get_num_new_matched_tokens
+            fast["update_state_after_alloc"] = mux.update_state_after_alloc
+            fast["request_finished"] = mux.request_finished
+            fast["request_finished_all_groups"] = mux.request_finished_all_groups
+            fast["register_finished_partial_tail"] = mux.register_finished_partial_tail
+            if not self._children.active("on_new_request"):
+                fast["on_new_request"] = _noop
+        else:
+            self._worker = MuxWorker(cfg, self._children, vllm_config)
         # Per-layer hot path: only children whose hook does something.
-        self.wait_for_layer_load: Callable[[str], None] = layer_hook(
-            self._children, "wait_for_layer_load"
-        )
-        self.save_kv_layer: Callable[..., None] = layer_hook(self._children, "save_kv_layer")
+        fast["wait_for_layer_load"] = self._children.layer_hook("wait_for_layer_load")
+        fast["save_kv_layer"] = self._children.layer_hook("save_kv_layer")
+        # Instance attributes shadow the methods of the same name below,
+        # which keep the contracts (and serve calls made through the class).
+        for name, fn in fast.items():
+            setattr(self, name, fn)
 
-    def _shutdown_built(self) -> None:
-        for child in self._children:
-            try:
-                child.shutdown()
-            except Exception:
-                logger.exception("kvmux: shutting down a child after a failed start failed")
-        self._children.clear()
+    def _sched(self, hook: str) -> MuxScheduler:
+        if self._scheduler is None:
+            raise RuntimeError(
+                f"kvmux: {hook} is a scheduler-side hook, and this KvmuxConnector was "
+                "built for the worker role; call it on the scheduler's connector"
+            )
+        return self._scheduler
+
+    def _work(self, hook: str) -> MuxWorker:
+        if self._worker is None:
+            raise RuntimeError(
+                f"kvmux: {hook} is a worker-side hook, and this KvmuxConnector was "
+                "built for the scheduler role; call it on a worker's connector"
+            )
+        return self._worker
 
     # ------------------------------------------------------------------ info
 
     @property
     def children(self) -> list[KVConnectorBase_V1]:
         """The child connectors, in config order."""
-        return list(self._children)
+        return list(self._children.connectors)
 
     @property
     def child_names(self) -> list[str]:
-        return list(self._names)
+        return list(self._children.names)
 
     sub_connectors = children
 
+    def active_children(self, hook: str) -> tuple[int, ...]:
+        """Indices of the children kvmux calls for ``hook``: those whose hook
+        does something (a hook that only returns a constant is not called)."""
+        return self._children.active(hook)
+
     def num_live_requests(self) -> int:
-        """Requests the scheduler-side table still holds (0 once every request
-        has finished)."""
-        return len(self._core)
+        """Requests the scheduler side still holds state for (0 once every
+        request has finished; 0 on a worker)."""
+        return len(self._scheduler.mux) if self._scheduler is not None else 0
 
     def num_pending_async_saves(self) -> int:
         """Worker side: finished requests still waiting for async-save
-        completions from some of their children."""
-        return len(self._countdown)
+        completions from some of their children (0 on the scheduler)."""
+        return len(self._worker.countdown) if self._worker is not None else 0
 
     def mux_stats(self) -> dict[str, Any]:
-        """kvmux's own counters: per child lookups, hits, loads; finished
-        requests, extra cached tokens, clashes, live requests."""
-        out = self._core.stats()
-        out["pending_async_saves"] = len(self._countdown)
+        """kvmux's own counters on this side: per child lookups, hits, loads;
+        finished requests, extra cached tokens, clashes, live requests."""
+        side = self._scheduler or self._worker
+        if side is None:  # pragma: no cover - one side is always built
+            raise RuntimeError("kvmux connector has no side")
+        out = side.mux.stats()
+        out["pending_async_saves"] = self.num_pending_async_saves()
         return out
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        return bool(self._children) and all(
-            c.supports_divergent_local_hybrid_hits for c in self._children
-        )
+        kids = self._children.connectors
+        return bool(kids) and all(c.supports_divergent_local_hybrid_hits for c in kids)
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return any(c.requires_kv_delivery for c in self._children)
+        return any(c.requires_kv_delivery for c in self._children.connectors)
 
-    # ------------------------------------------------------- class methods
+    # ===================================================== class methods
 
     @classmethod
     def all_children_support_hma(cls, kv_transfer_config: KVTransferConfig) -> bool:
@@ -263,98 +268,183 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             cfg, vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
 
-    # ------------------------------------------------------- scheduler side
+    # ======================================================= worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Every child gets the KV cache tensors."""
+        self._children.each("register_kv_caches", kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self._children.each("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self._children.each("restore_kv_caches")
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Callable[..., None]) -> None:
+        self._children.each("set_host_xfer_buffer_ops", copy_operation)
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """The one child's KV cache memory pool; two children with one are
+        an error (the KV cache lives in one pool)."""
+        return self._children.mem_pool_context()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Each child gets its own metadata; kvmux's part (extra async
+        saves, dropped completions) goes to the worker side."""
+        self._work("bind_connector_metadata").bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._children.each("clear_connector_metadata")
+        super().clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._work("handle_preemptions").handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Every child starts its loads for the step."""
+        self._children.each("start_load_kv", forward_context, **kwargs)
+
+    # wait_for_layer_load and save_kv_layer are bound per instance in
+    # __init__ to the children whose hook does something (one child: its own
+    # bound method, no wrapper frame). On that path a child's exception
+    # reaches vLLM as the child raised it, not as KvmuxChildError: naming it
+    # would cost a frame per layer per step. The methods here are the class's
+    # own (used when the instance's are not).
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Every child waits for ``layer_name``'s load."""
+        for i in range(len(self._children)):
+            self._children.call_one(i, "wait_for_layer_load", layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Every child gets ``layer_name``'s KV to save."""
+        for i in range(len(self._children)):
+            self._children.call_one(
+                i, "save_kv_layer", layer_name, kv_layer, attn_metadata, **kwargs
+            )
+
+    def wait_for_save(self) -> None:
+        self._children.each("wait_for_save")
+
+    def finish_forward(self) -> None:
+        self._children.each("finish_forward")
+
+    def reset_capture_state(self) -> None:
+        self._children.each("reset_capture_state")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """A request is finished sending once every child that saved it
+        asynchronously has reported it."""
+        return self._work("get_finished").get_finished(finished_req_ids)
+
+    if _versions.HAS_TRANSFER_RESULTS:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            """As ``get_finished``, with failed receives passed through."""
+            return self._work("get_transfer_results").get_transfer_results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Every child's failed blocks (vLLM recomputes or fails them)."""
+        return self._work("get_block_ids_with_load_errors").get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
+        """Each child's worker metadata, in config order; None if none has any."""
+        return self._work("build_connector_worker_meta").build_connector_worker_meta()
+
+    def get_handshake_metadata(self) -> Any:
+        """The first child's handshake metadata (NIXL's, for a P/D pair)."""
+        return self._children.first_not_none("get_handshake_metadata")
+
+    def get_finished_count(self) -> int | None:
+        """The children's common count of workers reporting a finish."""
+        return self._children.agree("get_finished_count")
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self._children.merge_events("get_kv_connector_kv_cache_events")
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Stats of the last interval: kvmux's own counters and each child's,
+        by child name (on either side)."""
+        if self._scheduler is not None:
+            return self._scheduler.get_kv_connector_stats()
+        return self._work("get_kv_connector_stats").get_kv_connector_stats()
+
+    def shutdown(self) -> None:
+        """Every child is shut down, even when one fails (the first error
+        is raised after)."""
+        self._children.call_all("shutdown")
+
+    # ===================================================== scheduler side
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Ask every child; ``None`` while any child is not ready. The loading
-        child is chosen by ``load_policy`` and remembered for the request."""
-        try:
-            answers = call_children(
-                self, "get_num_new_matched_tokens", request, num_computed_tokens
-            )
-            return self._core.lookup(request.request_id, num_computed_tokens, answers)
-        except BaseException:
-            # A child failed on the request: kvmux drops its own state for it
-            # (a later lookup starts afresh) and the error goes on to vLLM.
-            self._core.forget(request.request_id)
-            raise
+        child is chosen by ``load_policy`` and remembered for the request.
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        mux = self._sched("get_num_new_matched_tokens").mux
+        return mux.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """The chosen child gets ``num_external_tokens``, the others 0; all
-        get the request's real blocks (as vLLM's MultiConnector does)."""
-        chosen = self._core.allocated(request.request_id, num_external_tokens)
-        if chosen is not None:
-            self._loads.planned(request.request_id, blocks)
-        try:
-            for i in active_children(self, "update_state_after_alloc"):
-                n = num_external_tokens if i == chosen else 0
-                call_child(self, i, "update_state_after_alloc", request, blocks, n)
-        except BaseException:
-            self._core.forget(request.request_id)
-            raise
+        get the request's real blocks (as vLLM's MultiConnector does).
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        mux = self._sched("update_state_after_alloc").mux
+        mux.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
-        chosen = self._core.chosen(request.request_id)
-        if chosen is None:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return call_child(
-            self, chosen, "get_external_cache_hit_sources", request, num_external_tokens
+        """The loading child's answer (vLLM's default when none loads)."""
+        got = self._sched("get_external_cache_hit_sources").get_external_cache_hit_sources(
+            request, num_external_tokens
         )
+        if got is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return got
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        chosen = self._core.chosen(request.request_id)
-        if chosen is None:
+        """The loading child's answer (vLLM's default when none loads)."""
+        got = self._sched("get_loaded_kv_cache_group_ids").get_loaded_kv_cache_group_ids(request)
+        if got is None:
             return super().get_loaded_kv_cache_group_ids(request)
-        return call_child(self, chosen, "get_loaded_kv_cache_group_ids", request)
+        return got
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
-        call_children(self, "bind_kv_cache_manager", kv_cache_manager)
+        self._sched("bind_kv_cache_manager").bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._children.each("bind_gpu_block_pool", gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        """Every child hears of the request (bound to a no-op on the
+        instance when no child's hook does anything)."""
+        self._children.each("on_new_request", request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvmuxMetadata:
-        meta = KvmuxMetadata(
-            children=tuple(call_children(self, "build_connector_meta", scheduler_output)),
-            extra_async_saves=self._extra_saves or None,
-            dropped_saves=self._dropped_saves or None,
-        )
-        self._extra_saves = {}
-        self._dropped_saves = {}
-        return meta
+        """Each child's metadata, plus what the workers must know of the
+        requests that finished (extra async saves, dropped completions)."""
+        return self._sched("build_connector_meta").build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees its own slice of the workers' metadata. Loads the
         workers report failed (``invalid_block_ids``, ``failed_recving``) stop
         counting in ``num_extra_cached_tokens``; vLLM handles the requests."""
-        if self._load_blocks:  # some load is planned: did any fail?
-            self._loads.check(
-                self._core,
-                connector_output.invalid_block_ids,
-                getattr(connector_output, "failed_recving", None),
-            )
-        worker_meta = connector_output.kv_connector_worker_meta
-        if worker_meta is not None and not isinstance(worker_meta, KvmuxWorkerMetadata):
-            raise TypeError(
-                f"kvmux got worker metadata of type {type(worker_meta).__name__}; "
-                "the workers must run the same KvmuxConnector configuration"
-            )
-        try:
-            for i in active_children(self, "update_connector_output"):
-                if worker_meta is not None:
-                    connector_output.kv_connector_worker_meta = worker_meta.children[i]
-                call_child(self, i, "update_connector_output", connector_output)
-        finally:
-            connector_output.kv_connector_worker_meta = worker_meta
+        self._sched("update_connector_output").update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish(request, "request_finished", block_ids)
+        """Every child's ``request_finished``; async if any child saves
+        asynchronously, params merged under ``clash_policy``; a failure of a
+        child that never took part in the request is contained.
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        return self._sched("request_finished").mux.request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -365,26 +455,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         ``request_finished`` with the one group's blocks, which are all of the
         request's blocks. Several groups with such a child raise
         :class:`KvmuxConfigError` naming them (never silently truncated; the
-        constructor already refuses that model unless HMA is off)."""
-        if self._all_hma:
-            return self._finish(request, "request_finished_all_groups", block_ids)
-        if len(block_ids) != 1:
-            self._core.forget(request.request_id)
-            raise KvmuxConfigError(
-                f"request {request.request_id!r} holds KV in {len(block_ids)} cache "
-                f"groups but children {self._cfg.non_hma_children()} do not support "
-                "the hybrid KV cache manager and can be given only one (they would "
-                f"lose the others); {HMA_FIX}, or use only HMA-capable children"
-            )
-        if not self._any_hma:
-            return self._finish(request, "request_finished", block_ids[0])
-        routes = [
-            ("request_finished_all_groups", (block_ids,))
-            if spec.supports_hma
-            else ("request_finished", (block_ids[0],))
-            for spec in self._cfg.children
-        ]
-        return self._finish(request, "request_finished_all_groups", block_ids, routes)
+        constructor already refuses that model unless HMA is off).
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        mux = self._sched("request_finished_all_groups").mux
+        return mux.request_finished_all_groups(request, block_ids)
 
     def register_finished_partial_tail(
         self,
@@ -394,154 +468,27 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> bool:
         """True when any child keeps the request's blocks for a partial tail.
         Called on a request's way out, so a child that never took part in the
-        request and fails is contained (see ``kvmux._containment``)."""
-        try:
-            answers, _ = call_children_on_exit(
-                self,
-                "register_finished_partial_tail",
-                request,
-                (block_ids, partial_tail_offloads),
-                False,
-            )
-        except BaseException:
-            self._core.forget(request.request_id)
-            raise
-        return any(answers)
+        request and fails is contained. (Bound to the Rust multiplexer's
+        method on the instance.)"""
+        mux = self._sched("register_finished_partial_tail").mux
+        return mux.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
 
-    def _finish(
-        self,
-        request: Request,
-        hook: str,
-        block_ids: Any,
-        routes: list[tuple[str, tuple[Any, ...]]] | None = None,
-    ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        if self._load_blocks:
-            self._load_blocks.pop(req_id, None)
-        try:
-            # A child that never took part and fails is contained; see _containment.
-            if routes is None:
-                results, contained = call_children_on_exit(
-                    self, hook, request, (block_ids,), (False, None)
-                )
-            else:
-                results, contained = call_each_on_exit(self, routes, request, (False, None))
-        except BaseException:
-            self._core.forget(req_id)
-            raise
-        if contained:
-            self._dropped_saves[req_id] = tuple(contained)
-        asked = getattr(request, "kv_transfer_params", None)
-        want_extra = isinstance(asked, dict) and EXTRA_KEY in asked
-        is_async, params, extra_saves, warn = self._core.finish(req_id, results, want_extra)
-        if extra_saves:
-            self._extra_saves[req_id] = extra_saves
-        if warn:
-            for key, first, second in warn:
-                logger.warning(
-                    "kvmux: children %r and %r both return kv_transfer_params key %r; "
-                    "clash_policy %r keeps one (warned once per key)",
-                    first,
-                    second,
-                    key,
-                    self._cfg.clash_policy,
-                )
-        return is_async, params
+    def take_events(self) -> Iterable[Any]:
+        """Every child's KV cache events, in config order."""
+        return self._children.chain("take_events")
 
-    # ---------------------------------------------------------- worker side
+    def has_pending_block_frees(self) -> bool:
+        return self._children.any("has_pending_block_frees")
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        meta = self._own_metadata(connector_metadata)
-        if meta.extra_async_saves:
-            self._countdown.expect(meta.extra_async_saves)
-        if meta.dropped_saves:
-            self._dropped.expect(meta.dropped_saves)
-        for i, child_meta in enumerate(meta.children):
-            call_child(self, i, "bind_connector_metadata", child_meta)
-        super().bind_connector_metadata(connector_metadata)
+    def has_pending_push_work(self) -> bool:
+        return self._children.any("has_pending_push_work")
 
-    def clear_connector_metadata(self) -> None:
-        call_children(self, "clear_connector_metadata")
-        super().clear_connector_metadata()
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._children.each("set_xfer_handshake_metadata", metadata)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        meta = self._own_metadata(kv_connector_metadata)
-        for i, child_meta in enumerate(meta.children):
-            call_child(self, i, "handle_preemptions", child_meta)
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._children.each("set_xfer_handshake_metadata_pp_aware", metadata)
 
-    def _own_metadata(self, meta: KVConnectorMetadata) -> KvmuxMetadata:
-        if not isinstance(meta, KvmuxMetadata) or len(meta.children) != len(self._children):
-            raise TypeError(
-                f"kvmux got connector metadata {type(meta).__name__}; the scheduler "
-                "and workers must run the same KvmuxConnector configuration"
-            )
-        return meta
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """A request is finished sending once every child that saved it
-        asynchronously has reported it."""
-        if _versions.HAS_TRANSFER_RESULTS:
-            res = self.get_transfer_results(finished_req_ids)
-            return res.finished_sending or None, res.finished_recving or None
-        answers = call_children(self, "get_finished", finished_req_ids)
-        done = self._complete_sends(snd for snd, _ in answers)
-        recving = set().union(*(rcv or () for _, rcv in answers))
-        return done or None, recving or None
-
-    def _complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
-        """Every child's finished-sending ids of one step (in config order)
-        -> the requests finished sending now: completions of contained
-        children dropped, then the countdown of extra async saves."""
-        sending: list[str] = []
-        for i, snd in enumerate(per_child):
-            if snd:
-                sending.extend(self._dropped.filter(i, snd) if self._dropped else snd)
-        done = self._countdown.complete(sending)
-        if done:
-            self._core.count_worker(len(done), 0)
-        return done
-
-    if _versions.HAS_TRANSFER_RESULTS:
-
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            out = _versions.TransferResults()
-            answers = call_children(self, "get_transfer_results", finished_req_ids)
-            for res in answers:
-                out.finished_recving.update(res.finished_recving)
-                out.failed_recving.update(res.failed_recving)
-            out.finished_sending = self._complete_sends(r.finished_sending for r in answers)
-            return out
-
-    def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
-        metas = call_children(self, "build_connector_worker_meta")
-        if all(m is None for m in metas):
-            return None
-        return KvmuxWorkerMetadata(children=tuple(metas))
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Stats of the last interval: kvmux's own counters (on the scheduler
-        side, where its decisions are made) and each child's, by child name."""
-        return build_child_stats(
-            self._names, call_children(self, "get_kv_connector_stats"), self._core.take_interval()
-        )
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed: set[int] = set()
-        for blocks in call_children(self, "get_block_ids_with_load_errors"):
-            failed |= set(blocks or ())
-        if failed:
-            self._core.count_worker(0, len(failed))
-        return failed
-
-    # vLLM calls these on the hot path per layer; they are instance attributes
-    # bound in __init__ (see kvmux._fanout.layer_hook). The methods below are
-    # what the class itself offers for the abstract interface.
-    def wait_for_layer_load(self, layer_name: str) -> None:  # type: ignore[no-redef]
-        for i in range(len(self._children)):
-            call_child(self, i, "wait_for_layer_load", layer_name)
-
-    def save_kv_layer(  # type: ignore[no-redef]
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        for i in range(len(self._children)):
-            call_child(self, i, "save_kv_layer", layer_name, kv_layer, attn_metadata, **kwargs)
+    def reset_cache(self) -> bool:
+        """True unless a child reports its reset failed (``False``)."""
+        return self._children.all_not_false("reset_cache")

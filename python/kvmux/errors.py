@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmux import _core
+
 __all__ = ["KvmuxChildError", "KvmuxConfigError", "KvmuxParamClash"]
 
 
@@ -52,3 +54,7 @@ class KvmuxChildError(RuntimeError):
     def __init__(self, child: str, hook: str, detail: str) -> None:
         self.child, self.hook, self.detail = child, hook, detail
         super().__init__(f"kvmux child {child!r} failed in {hook}: {detail}")
+
+
+# The Rust core raises these (its one error type maps onto them, once).
+_core.bind_errors(KvmuxChildError, KvmuxParamClash, KvmuxConfigError)

@@ -1,0 +1,229 @@
+"""The children of one kvmux connector, and how a hook fans out to them.
+
+:class:`Children` owns the child connectors (built in config order, with the
+role of their parent), their names, and for every hook a *plan*: which
+children must be called, and the constant answer of those that need not be.
+A child whose hook only returns a constant (vLLM's base-class defaults,
+``pass``, ``return 0, False``) is never called for it: its answer is known
+(see :func:`kvmux._fanout.constant_answer`). That is most hooks of most
+children, and the multiplexer runs in every scheduler step.
+
+Every call it makes names the child when the child raises
+(:class:`~kvmux.errors.KvmuxChildError`, chained to the child's error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmux._fanout import constant_answer, layer_hook
+from kvmux.config import MuxConfig
+from kvmux.errors import KvmuxChildError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["Children", "Plan"]
+
+logger = logging.getLogger("kvmux")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one hook fans out over the children."""
+
+    answers: tuple[Any, ...]
+    """Each child's answer where it is a constant (None where it is not, or
+    where the child lacks the hook)."""
+    active: tuple[tuple[int, Callable[..., Any]], ...]
+    """(index, bound hook) of the children that must be called."""
+    indices: tuple[int, ...]
+    """The indices of ``active``."""
+
+
+class Children:
+    """The child connectors of one kvmux connector, in config order."""
+
+    def __init__(
+        self,
+        cfg: MuxConfig,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
+        self.names: tuple[str, ...] = tuple(cfg.names)
+        self.connectors: list[KVConnectorBase_V1] = []
+        self._plans: dict[str, Plan] = {}
+        try:
+            for spec in cfg.children:
+                try:
+                    child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)
+                except Exception as e:
+                    raise KvmuxChildError(spec.name, "__init__", f"{type(e).__name__}: {e}") from e
+                self.connectors.append(child)
+        except BaseException:
+            self.shutdown_quietly()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.connectors)
+
+    def shutdown_quietly(self) -> None:
+        """Shut down every child built so far, logging failures (a start
+        that failed half-way)."""
+        for child in self.connectors:
+            try:
+                child.shutdown()
+            except Exception:
+                logger.exception("kvmux: shutting down a child after a failed start failed")
+        self.connectors.clear()
+
+    # ------------------------------------------------------------- plans
+
+    def plan(self, hook: str) -> Plan:
+        """How to fan ``hook`` out, decided on first use and kept (the
+        children do not change)."""
+        plan = self._plans.get(hook)
+        if plan is not None:
+            return plan
+        answers: list[Any] = []
+        active = []
+        for i, child in enumerate(self.connectors):
+            fn = getattr(child, hook, None)
+            if fn is None:  # e.g. request_finished_all_groups of a child without HMA
+                answers.append(None)
+                continue
+            const, value = constant_answer(fn)
+            answers.append(value)
+            if not const:
+                active.append((i, fn))
+        plan = Plan(tuple(answers), tuple(active), tuple(i for i, _ in active))
+        self._plans[hook] = plan
+        return plan
+
+    def core_plan(self, hook: str) -> list[tuple[bool, Any]]:
+        """``hook``'s plan as the Rust core takes it: per child ``(True,
+        bound method)`` to call it, or ``(False, constant answer)``."""
+        plan = self.plan(hook)
+        active = dict(plan.active)
+        return [
+            (True, active[i]) if i in active else (False, plan.answers[i])
+            for i in range(len(self.connectors))
+        ]
+
+    def active(self, hook: str) -> tuple[int, ...]:
+        """Indices of the children whose ``hook`` does something."""
+        return self.plan(hook).indices
+
+    def layer_hook(self, hook: str) -> Callable[..., None]:
+        """The fastest callable for a per-layer hook (see
+        :func:`kvmux._fanout.layer_hook`)."""
+        return layer_hook(self.connectors, hook)
+
+    # ------------------------------------------------------------- calls
+
+    def call(self, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``hook`` on every child that must be called, in config order;
+        every child's answer (the constant ones included)."""
+        plan = self.plan(hook)
+        out = list(plan.answers)
+        for i, fn in plan.active:
+            try:
+                out[i] = fn(*args, **kwargs)
+            except Exception as e:
+                raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
+        return out
+
+    def call_all(self, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """As :meth:`call`, but every child is called even when one raises;
+        then the first error is raised (for ``shutdown``)."""
+        plan = self.plan(hook)
+        out, first_error = list(plan.answers), None
+        for i, _ in plan.active:
+            try:
+                out[i] = self.call_one(i, hook, *args, **kwargs)
+            except KvmuxChildError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return out
+
+    def call_one(self, i: int, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``hook`` on child ``i``, naming the child if it raises."""
+        try:
+            return getattr(self.connectors[i], hook)(*args, **kwargs)
+        except Exception as e:
+            raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------ combinations
+
+    def each(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Tell every child; nothing to combine."""
+        if self.plan(hook).active:
+            self.call(hook, *args, **kwargs)
+
+    def any(self, hook: str, *args: Any, **kwargs: Any) -> bool:
+        """True when any child answers true."""
+        plan = self.plan(hook)
+        answers = self.call(hook, *args, **kwargs) if plan.active else plan.answers
+        return any(bool(a) for a in answers)
+
+    def all_not_false(self, hook: str, *args: Any, **kwargs: Any) -> bool:
+        """False when any child answers False (None counts as success)."""
+        plan = self.plan(hook)
+        answers = self.call(hook, *args, **kwargs) if plan.active else plan.answers
+        return all(a is not False for a in answers)
+
+    def chain(self, hook: str, *args: Any, **kwargs: Any) -> Sequence[Any]:
+        """Every child's items, in config order."""
+        plan = self.plan(hook)
+        if not plan.active and not any(plan.answers):
+            return ()
+        answers = self.call(hook, *args, **kwargs)
+        return [item for a in answers for item in (a or ())]
+
+    def first_not_none(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """The first child's answer that is not None."""
+        return next((a for a in self.call(hook, *args, **kwargs) if a is not None), None)
+
+    def mem_pool_context(self) -> Any:
+        """The one child's KV cache memory pool context; two are an error."""
+        answers = self.call("get_mem_pool_context")
+        found = [(n, a) for n, a in zip(self.names, answers, strict=True) if a is not None]
+        if len(found) > 1:
+            raise ValueError(
+                f"kvmux children {[n for n, _ in found]} each provide a KV cache memory "
+                "pool; the KV cache is allocated once and can live in one pool only. "
+                "Configure a custom memory pool on at most one child."
+            )
+        return found[0][1] if found else None
+
+    def agree(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """The children's common answer (None when any has none); different
+        answers are an error."""
+        answers = self.call(hook, *args, **kwargs)
+        if any(a is None for a in answers):
+            return None
+        counts = dict(zip(self.names, answers, strict=True))
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                f"kvmux children expect different finished counts {counts}; children "
+                "whose completions are counted per worker differently cannot be combined"
+            )
+        return answers[0] if answers else None
+
+    def merge_events(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """The children's KV cache events, merged."""
+        merged = None
+        for events in self.call(hook, *args, **kwargs):
+            if events is not None:
+                merged = events if merged is None else merged.merge(events)
+        return merged

@@ -1,0 +1,114 @@
+"""The worker side of :class:`~kvmux.connector.KvmuxConnector`.
+
+:class:`MuxWorker` owns the children (built for the worker role), the
+countdown of async saves (a request saved by k > 1 children is finished
+sending once all k reported it) and the completions to drop (of children
+whose failure on a request was contained, see :mod:`kvmux._containment`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvmux import _versions
+from kvmux._containment import DroppedSaves
+from kvmux._core import SaveCountdown
+from kvmux.children import Children
+from kvmux.config import MuxConfig
+from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
+from kvmux.scheduler import build_mux
+from kvmux.stats import KvmuxStats, build_child_stats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["MuxWorker"]
+
+
+class MuxWorker:
+    """kvmux's worker-side state: the children, the save countdown, the
+    completions to drop, and the worker's counters."""
+
+    def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
+        self.children = children
+        self.countdown = SaveCountdown()
+        self.dropped = DroppedSaves()
+        # Only the counters (finished sending, failed load blocks).
+        self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=False)
+
+    def own_metadata(self, meta: KVConnectorMetadata) -> KvmuxMetadata:
+        if not isinstance(meta, KvmuxMetadata) or len(meta.children) != len(self.children):
+            raise TypeError(
+                f"kvmux got connector metadata {type(meta).__name__}; the scheduler "
+                "and workers must run the same KvmuxConnector configuration"
+            )
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        meta = self.own_metadata(connector_metadata)
+        if meta.extra_async_saves:
+            self.countdown.expect(meta.extra_async_saves)
+        if meta.dropped_saves:
+            self.dropped.expect(meta.dropped_saves)
+        for i, child_meta in enumerate(meta.children):
+            self.children.call_one(i, "bind_connector_metadata", child_meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        meta = self.own_metadata(kv_connector_metadata)
+        for i in self.children.active("handle_preemptions"):
+            self.children.call_one(i, "handle_preemptions", meta.children[i])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if _versions.HAS_TRANSFER_RESULTS:
+            res = self.get_transfer_results(finished_req_ids)
+            return res.finished_sending or None, res.finished_recving or None
+        answers = self.children.call("get_finished", finished_req_ids)
+        done = self.complete_sends(snd for snd, _ in answers)
+        recving = set().union(*(rcv or () for _, rcv in answers))
+        return done or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        out = _versions.TransferResults()
+        answers = self.children.call("get_transfer_results", finished_req_ids)
+        for res in answers:
+            out.finished_recving.update(res.finished_recving)
+            out.failed_recving.update(res.failed_recving)
+        out.finished_sending = self.complete_sends(r.finished_sending for r in answers)
+        return out
+
+    def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
+        """Every child's finished-sending ids of one step (in config order)
+        -> the requests finished sending now: completions of contained
+        children dropped, then the countdown of extra async saves."""
+        sending: list[str] = []
+        for i, snd in enumerate(per_child):
+            if snd:
+                sending.extend(self.dropped.filter(i, snd) if self.dropped else snd)
+        done = self.countdown.complete(sending)
+        if done:
+            self.mux.count_worker(len(done), 0)
+        return done
+
+    def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
+        metas = self.children.call("build_connector_worker_meta")
+        if all(m is None for m in metas):
+            return None
+        return KvmuxWorkerMetadata(children=tuple(metas))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = set()
+        for blocks in self.children.call("get_block_ids_with_load_errors"):
+            failed |= set(blocks or ())
+        if failed:
+            self.mux.count_worker(0, len(failed))
+        return failed
+
+    def get_kv_connector_stats(self) -> KvmuxStats | None:
+        """The worker's counters of the interval and each child's stats."""
+        return build_child_stats(
+            self.children.names,
+            self.children.call("get_kv_connector_stats"),
+            self.mux.take_interval(),
+        )
