@@ -1,4 +1,6 @@
-"""kvmux's exceptions: each says what is wrong and how to fix it."""
+"""kvmux's exceptions: each says what is wrong, and a configuration error or
+a refused params clash also how to fix it. The Rust core raises them too
+(the classes are bound into it once, at import)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ __all__ = ["KvmuxChildError", "KvmuxConfigError", "KvmuxParamClash"]
 class KvmuxConfigError(ValueError):
     """A ``kv_transfer_config`` kvmux cannot run with.
 
-    Raised at construction (and by ``python -m kvmux doctor``). The message
-    names every problem found, each with its fix; ``problems`` holds them one
-    per item.
+    Raised when ``KvmuxConnector`` or ``KvmuxHostCache`` is constructed (and
+    by their ``validate_transfer_config``), and when a request of several KV
+    cache groups finishes with a child that lacks HMA support (see
+    ``KvmuxConnector.request_finished_all_groups``). ``python -m kvmux
+    doctor`` reports the same problems without raising. The message names
+    every problem found, each with its fix; ``problems`` holds them one per
+    item.
     """
 
     def __init__(self, problems: str | Sequence[str]) -> None:
@@ -29,7 +35,9 @@ class KvmuxConfigError(ValueError):
 
 class KvmuxParamClash(RuntimeError):
     """Two children returned the same ``kv_transfer_params`` key and the
-    ``clash_policy`` refuses it."""
+    ``clash_policy`` refuses it: ``error`` when the values differ, ``strict``
+    always. ``key``, ``first`` and ``second`` (the two children's names) and
+    ``policy`` say which."""
 
     def __init__(self, key: str, first: str, second: str, policy: str) -> None:
         self.key, self.first, self.second, self.policy = key, first, second, policy
@@ -48,8 +56,11 @@ class KvmuxParamClash(RuntimeError):
 class KvmuxChildError(RuntimeError):
     """A child connector failed or returned something kvmux cannot use.
 
-    ``child`` is the child's name, ``hook`` the connector method.
-    """
+    ``child`` is the child's name, ``hook`` the connector method, ``detail``
+    what went wrong; when the child raised, its exception is the
+    ``__cause__``. On the per-layer hooks (``wait_for_layer_load``,
+    ``save_kv_layer``) the child's own exception can reach vLLM unchanged
+    (the README's "A child that raises is named" says when)."""
 
     def __init__(self, child: str, hook: str, detail: str) -> None:
         self.child, self.hook, self.detail = child, hook, detail
