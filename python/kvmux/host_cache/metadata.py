@@ -21,8 +21,11 @@ class LoadJob:
     group: int = 0
     """The KV cache group whose device ``blocks`` the slots fill."""
     failed: bool = False
-    """The slots could not be pinned: the worker reports ``blocks`` as load
-    errors so vLLM recomputes them."""
+    """vLLM allocated blocks for the tier to fill that it does not hold ready
+    (the lookup did not offer them and they could not be pinned at
+    allocation): ``slots`` is empty, ``blocks`` are every device block of
+    the load, and the worker reports them as load errors so vLLM recomputes
+    them."""
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@ each request loads, and which full blocks each step saves.
 
 Protocol with the workers (all through vLLM's metadata paths):
 
-- a lookup answers the longest cached prefix in one Rust call;
-- an allocation pins the slots to load (they cannot be evicted) and queues a
-  :class:`LoadJob`; the worker's confirmation unpins them;
+- a lookup answers the longest prefix every group can serve (one Rust
+  call) and pins the slots it offers, so they cannot be evicted before the
+  allocation; a new lookup or the request's end releases them;
+- the allocation takes the offered slots for the blocks vLLM allocated,
+  releases the rest and queues a :class:`LoadJob` per group; the slots are
+  unpinned once every worker confirmed the copy;
 - each step, the newly full blocks of every scheduled request get reserved
   slots (``Writing``: never readable, never evicted) in a :class:`SaveJob`;
   the slots become readable when every worker confirmed the copy, and are
@@ -413,9 +416,10 @@ class HostCacheScheduler:
         return True, params
 
     def _request_stats(self, st: _Req | None) -> dict[str, Any]:
-        """A finished request's ``host_cache_stats``; with several KV cache
-        groups also ``groups``: each group's kind and its blocks loaded and
-        saved (a windowed group's are its windows only)."""
+        """A finished request's ``host_cache_stats``; for any layout but the
+        plain one (several KV cache groups, or one sliding-window group) also
+        ``groups``: each group's kind and its blocks loaded and saved (a
+        windowed group's are its windows only)."""
         out: dict[str, Any] = {
             "loaded_tokens": st.loaded_tokens if st else 0,
             "saved_blocks": st.saved_blocks_new if st else 0,

@@ -20,7 +20,8 @@ COUNTERS = (
     "load_errors",  # blocks that could not be loaded (vLLM recomputes them)
 )
 
-#: Per KV cache group ``g`` of a hybrid model, as ``group<g>.<counter>``.
+#: Per KV cache group ``g``, as ``group<g>.<counter>``, for any layout but
+#: the plain one (several groups, or one sliding-window group).
 GROUP_COUNTERS = (
     "stored_blocks",  # the group's blocks whose save completed
     "loaded_blocks",  # the group's blocks loaded (a window group: its window only)
