@@ -44,7 +44,8 @@ class ChildSpec:
 
     index: int
     name: str
-    """Unique display name: the class name, with ``#index`` when repeated."""
+    """Unique display name: the child's ``name`` if given, else its class name
+    (with ``#index`` when the class repeats or a given name takes it)."""
     transfer_config: KVTransferConfig
     cls: type
     supports_hma: bool
@@ -228,7 +229,8 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
 
 def _names(children: list[_RawChild], problems: list[str]) -> list[str]:
     """Display names: the given ``name``, else the class name (with ``#index``
-    when several children share it). Given names must be unique."""
+    when several children share the class or a given name is that class
+    name). Given names must be unique."""
     given: dict[str, int] = {}
     for c in children:
         if c.name is not None:

@@ -1,9 +1,12 @@
 """Check a --kv-transfer-config before starting vLLM: parse it, resolve and
 import every child connector, report HMA capability, what the hybrid KV cache
 manager means for plain and hybrid models (for one local model with
-``--model PATH``) and KV cache layout requirements, and list every problem
-with its fix. Exit status 0: valid; 1: problems found; 2: the input (config
-or model folder) is not readable.
+``--model PATH``), what ``KvmuxHostCache`` stores of each kind of layer (when
+the config has it) and KV cache layout requirements, and list every problem
+with its fix. ``--disable-hybrid-kv-cache-manager`` checks an instance run
+with that vLLM flag; ``--json`` prints the report as JSON. Exit status 0:
+valid; 1: problems found; 2: the input (config or model folder) is not
+readable.
 
 ``--peer CONFIG`` checks a prefill/decode pair: ``CONFIG`` is the
 prefill's, ``--peer`` the decode's, and what NIXL needs the two to agree on
