@@ -776,15 +776,24 @@ impl PyMux {
         Ok(out)
     }
 
-    /// Counters changed since the previous call, nested and without zeros,
-    /// clashes keyed by policy; None when nothing changed (one call per
-    /// stats interval, for vLLM's `get_kv_connector_stats`).
-    fn take_interval<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let delta = self.core.take_interval();
-        if delta.is_zero() {
-            return Ok(None);
+    /// Counters changed since the previous take, nested and without zeros,
+    /// clashes keyed by policy; None when nothing changed. With `every_s`,
+    /// only once that many seconds passed since the previous take or when
+    /// no request is live (None otherwise; the counts wait for the next
+    /// take). For vLLM's `get_kv_connector_stats`, called every step.
+    #[pyo3(signature = (every_s = 0.0))]
+    fn take_interval<'py>(
+        &self,
+        py: Python<'py>,
+        every_s: f64,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let every = std::time::Duration::try_from_secs_f64(every_s).map_err(|_| {
+            PyValueError::new_err(format!("every_s must be >= 0 seconds, got {every_s}"))
+        })?;
+        match self.core.take_interval_every(every) {
+            Some(delta) if !delta.is_zero() => self.counters_dict(py, &delta, true).map(Some),
+            _ => Ok(None),
         }
-        self.counters_dict(py, &delta, true).map(Some)
     }
 
     /// Requests the multiplexer holds state for.

@@ -562,6 +562,15 @@ impl Mux {
     pub fn take_interval(&self) -> Snapshot {
         self.counters.take_interval()
     }
+
+    /// The counters' interval, once `every` has passed since the previous
+    /// take, and always when no request is live (so a workload's last
+    /// counts reach vLLM when it ends); None otherwise, the counts kept for
+    /// the next take.
+    pub fn take_interval_every(&self, every: std::time::Duration) -> Option<Snapshot> {
+        self.counters
+            .take_interval_every(every, self.table.is_empty())
+    }
 }
 
 #[cfg(test)]
@@ -1043,6 +1052,23 @@ mod tests {
             .unwrap();
         m.forget("s");
         assert!(!m.watching());
+    }
+
+    #[test]
+    fn interval_stats_wait_while_requests_live_and_flush_when_idle() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        let hour = std::time::Duration::from_secs(3600);
+        m.lookup("r", 0, |_| hit(16)).unwrap();
+        assert!(
+            m.take_interval_every(hour).is_some(),
+            "the first take is due"
+        );
+        m.lookup("r", 0, |_| hit(16)).unwrap();
+        assert!(m.take_interval_every(hour).is_none(), "r is live: not due");
+        finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
+        let flushed = m.take_interval_every(hour).expect("idle: flushed");
+        assert_eq!(flushed.children[0][Child::Lookups as usize], 1);
+        assert_eq!(flushed.totals[Total::Finished as usize], 1);
     }
 
     proptest! {

@@ -12,6 +12,7 @@
 
 use dashmap::DashMap;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 /// Most children a multiplexer may have: `took_part` is a bit set in a u64.
 pub const MAX_CHILDREN: usize = 64;
@@ -133,11 +134,26 @@ fn all_children(n: usize) -> u64 {
 #[derive(Debug, Default)]
 pub struct RequestTable {
     map: DashMap<String, RequestState>,
+    /// Entries in `map`, kept beside it: `DashMap::len` locks every shard.
+    live: AtomicUsize,
 }
 
 impl RequestTable {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Run `f` on a request's entry, made if missing, under its shard's
+    /// lock. A live request (the common case) costs no key allocation.
+    fn update<R>(&self, req_id: &str, f: impl FnOnce(&mut RequestState) -> R) -> R {
+        if let Some(mut st) = self.map.get_mut(req_id) {
+            return f(&mut st);
+        }
+        let mut st = self.map.entry(req_id.to_owned()).or_insert_with(|| {
+            self.live.fetch_add(1, Relaxed);
+            RequestState::default()
+        });
+        f(&mut st)
     }
 
     /// A whole `get_num_new_matched_tokens` event: decide and record.
@@ -152,13 +168,14 @@ impl RequestTable {
         matches: &[ChildMatch],
     ) -> Lookup {
         let decision = choose(policy, matches);
-        let mut st = self.map.entry(req_id.to_owned()).or_default();
-        st.took_part |= all_children(matches.len());
-        st.local_hit_tokens = local_hit_tokens;
-        if decision.tokens.is_some() {
-            st.chosen = decision.chosen;
-            st.matched_tokens = decision.tokens.unwrap_or(0);
-        }
+        self.update(req_id, |st| {
+            st.took_part |= all_children(matches.len());
+            st.local_hit_tokens = local_hit_tokens;
+            if decision.tokens.is_some() {
+                st.chosen = decision.chosen;
+                st.matched_tokens = decision.tokens.unwrap_or(0);
+            }
+        });
         decision
     }
 
@@ -166,12 +183,13 @@ impl RequestTable {
     /// `num_external` (the others get 0). vLLM calls this again with 0 once
     /// an async load is done; that second call keeps the loaded count.
     pub fn allocated(&self, req_id: &str, n_children: usize, num_external: u64) -> Option<usize> {
-        let mut st = self.map.entry(req_id.to_owned()).or_default();
-        st.took_part |= all_children(n_children);
-        if num_external > 0 {
-            st.loaded_tokens = num_external;
-        }
-        st.chosen.filter(|_| num_external > 0)
+        self.update(req_id, |st| {
+            st.took_part |= all_children(n_children);
+            if num_external > 0 {
+                st.loaded_tokens = num_external;
+            }
+            st.chosen.filter(|_| num_external > 0)
+        })
     }
 
     /// The chosen child for a request, if any.
@@ -190,7 +208,9 @@ impl RequestTable {
     /// A `request_finished` event: the state leaves the table (None if the
     /// request was never seen or already finished).
     pub fn finish(&self, req_id: &str) -> Option<RequestState> {
-        self.map.remove(req_id).map(|(_, st)| st)
+        let (_, st) = self.map.remove(req_id)?;
+        self.live.fetch_sub(1, Relaxed);
+        Some(st)
     }
 
     pub fn get(&self, req_id: &str) -> Option<RequestState> {
@@ -198,11 +218,11 @@ impl RequestTable {
     }
 
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.live.load(Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len() == 0
     }
 }
 

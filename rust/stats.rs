@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Per-child counters, by index into `CHILD_NAMES`.
 #[derive(Clone, Copy, Debug)]
@@ -96,7 +97,14 @@ impl Snapshot {
 pub struct Counters {
     totals: TotalRow,
     children: Vec<ChildRow>,
-    taken: Mutex<Snapshot>,
+    taken: Mutex<Taken>,
+}
+
+/// The counters as last taken, and when.
+#[derive(Debug)]
+struct Taken {
+    snap: Snapshot,
+    at: Option<Instant>,
 }
 
 fn load<const N: usize>(row: &[AtomicU64; N]) -> [u64; N] {
@@ -108,9 +116,12 @@ impl Counters {
         Self {
             totals: Default::default(),
             children: (0..n_children).map(|_| Default::default()).collect(),
-            taken: Mutex::new(Snapshot {
-                totals: [0; Total::COUNT],
-                children: vec![[0; Child::COUNT]; n_children],
+            taken: Mutex::new(Taken {
+                snap: Snapshot {
+                    totals: [0; Total::COUNT],
+                    children: vec![[0; Child::COUNT]; n_children],
+                },
+                at: None,
             }),
         }
     }
@@ -132,26 +143,43 @@ impl Counters {
         }
     }
 
-    /// What changed since the previous call (the first call: since start).
+    /// What changed since the previous take (the first: since start).
+    pub fn take_interval(&self) -> Snapshot {
+        self.take_interval_every(Duration::ZERO, true)
+            .unwrap_or_else(|| self.snapshot())
+    }
+
+    /// As [`Counters::take_interval`], but only once `every` has passed
+    /// since the previous take, or when `flush`; None otherwise (the counts
+    /// stay for the next take: nothing is lost).
     ///
     /// The snapshot is read under the lock: read before it, a caller could
     /// find a newer snapshot already taken by a concurrent caller and
     /// subtract a larger number from a smaller one. Counters only grow, so
     /// a snapshot read after the previous one was stored is never below it.
-    pub fn take_interval(&self) -> Snapshot {
+    pub fn take_interval_every(&self, every: Duration, flush: bool) -> Option<Snapshot> {
         let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let now_t = Instant::now();
+        let due = flush || taken.at.is_none_or(|at| now_t.duration_since(at) >= every);
+        if !due {
+            return None;
+        }
         let now = self.snapshot();
+        let prev = &taken.snap;
         let delta = Snapshot {
-            totals: std::array::from_fn(|i| now.totals[i] - taken.totals[i]),
+            totals: std::array::from_fn(|i| now.totals[i] - prev.totals[i]),
             children: now
                 .children
                 .iter()
-                .zip(&taken.children)
+                .zip(&prev.children)
                 .map(|(a, b)| std::array::from_fn(|i| a[i] - b[i]))
                 .collect(),
         };
-        *taken = now;
-        delta
+        *taken = Taken {
+            snap: now,
+            at: Some(now_t),
+        };
+        Some(delta)
     }
 }
 
@@ -172,6 +200,25 @@ mod tests {
         assert_eq!(c.take_interval().totals[Total::Finished as usize], 2);
         assert_eq!(c.snapshot().totals[Total::Finished as usize], 3);
         c.child(9, Child::Loads, 1); // unknown child: ignored
+    }
+
+    #[test]
+    fn takes_every_interval_lose_nothing_in_between() {
+        let c = Counters::new(1);
+        let hour = Duration::from_secs(3600);
+        c.total(Total::Finished, 1);
+        let first = c
+            .take_interval_every(hour, false)
+            .expect("the first take is due");
+        assert_eq!(first.totals[Total::Finished as usize], 1);
+        c.total(Total::Finished, 2);
+        assert!(c.take_interval_every(hour, false).is_none(), "not due yet");
+        c.total(Total::Finished, 4);
+        let flushed = c
+            .take_interval_every(hour, true)
+            .expect("a flush is always due");
+        assert_eq!(flushed.totals[Total::Finished as usize], 6);
+        assert!(c.take_interval().is_zero());
     }
 
     #[test]

@@ -89,14 +89,14 @@ class Mux:
     def count_worker(self, finished_sending: int, load_failed_blocks: int) -> None: ...
     def stats(self) -> dict[str, Any]:
         """Cumulative counters plus ``live_requests``."""
-    def take_interval(self) -> dict[str, Any] | None:
-        """Counters changed since the previous call (nested, no zeros,
-        ``clashes`` by policy); None when nothing changed."""
+    def take_interval(self, every_s: float = 0.0) -> dict[str, Any] | None:
+        """Counters changed since the previous take (nested, no zeros,
+        ``clashes`` by policy); None when nothing changed. With ``every_s``,
+        only once that many seconds passed or when no request is live."""
     def __len__(self) -> int: ...
 
 def bind_errors(child: type[Exception], clash: type[Exception], config: type[Exception]) -> None:
     """Called once by ``kvmux.errors``: the exception classes the core raises."""
-
 @final
 class SaveCountdown:
     """Worker-side countdown of async saves."""

@@ -123,6 +123,12 @@ class Children:
         """Indices of the children whose ``hook`` does something."""
         return self.plan(hook).indices
 
+    def silent(self, hook: str) -> bool:
+        """True when no child is called for ``hook`` and every child's
+        constant answer is empty (None, False, ``()``)."""
+        plan = self.plan(hook)
+        return not plan.active and not any(plan.answers)
+
     def layer_hook(self, hook: str) -> Callable[..., None]:
         """The fastest callable for a per-layer hook (see
         :func:`kvmux._fanout.layer_hook`)."""

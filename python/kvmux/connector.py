@@ -80,6 +80,10 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _no_events() -> tuple[()]:
+    return ()
+
+
 class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector that runs the children listed in
     ``kv_connector_extra_config["connectors"]`` as one.
@@ -117,8 +121,14 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             fast["request_finished"] = mux.request_finished
             fast["request_finished_all_groups"] = mux.request_finished_all_groups
             fast["register_finished_partial_tail"] = mux.register_finished_partial_tail
+            # The per-step ones skip the facade's frame.
+            fast["build_connector_meta"] = self._scheduler.build_connector_meta
+            fast["update_connector_output"] = self._scheduler.update_connector_output
+            fast["get_kv_connector_stats"] = self._scheduler.get_kv_connector_stats
             if not self._children.active("on_new_request"):
                 fast["on_new_request"] = _noop
+            if self._children.silent("take_events"):
+                fast["take_events"] = _no_events
         else:
             self._worker = MuxWorker(cfg, self._children, vllm_config)
         # Per-layer hot path: only children whose hook does something.

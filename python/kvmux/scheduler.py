@@ -27,9 +27,15 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CORE_HOOKS", "MuxScheduler", "build_mux"]
+__all__ = ["CORE_HOOKS", "STATS_EVERY_S", "MuxScheduler", "build_mux"]
 
 logger = logging.getLogger("kvmux")
+
+#: kvmux's scheduler-side counters reach vLLM at most once per this many
+#: seconds, and whenever no request is live (vLLM asks every step; the
+#: counts wait in the core until taken, so none is lost, and a workload's
+#: last ones are reported when it ends). vLLM logs every 5-10 s.
+STATS_EVERY_S = 1.0
 
 #: The children's hooks the Rust multiplexer calls itself.
 CORE_HOOKS = (
@@ -64,6 +70,8 @@ class MuxScheduler:
         self.children = children
         self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=True)
         self.kv_cache_manager: KVCacheManager | None = None
+        # No child has stats of its own: the common quiet step is one call.
+        self._child_stats = not children.silent("get_kv_connector_stats")
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -124,9 +132,15 @@ class MuxScheduler:
             connector_output.kv_connector_worker_meta = worker_meta
 
     def get_kv_connector_stats(self) -> KvmuxStats | None:
-        """kvmux's counters of the interval and each child's stats."""
+        """kvmux's counters of the interval (see :data:`STATS_EVERY_S`) and
+        each child's stats."""
+        if not self._child_stats:
+            counters = self.mux.take_interval(STATS_EVERY_S)
+            if counters is None:
+                return None
+            return build_child_stats(self.children.names, (None,) * len(self.children), counters)
         return build_child_stats(
             self.children.names,
             self.children.call("get_kv_connector_stats"),
-            self.mux.take_interval(),
+            self.mux.take_interval(STATS_EVERY_S),
         )
