@@ -249,6 +249,65 @@ impl<T: Clone> Fanout<T> {
 
 type Plan<'py> = Option<Vec<(bool, Bound<'py, PyAny>)>>;
 
+/// One hook of every child whose answer kvmux hands on as a Python object
+/// (metadata, stats): the children to call, and every child's constant.
+struct PyFanout {
+    calls: Vec<(usize, Py<PyAny>)>,
+    consts: Vec<Py<PyAny>>,
+}
+
+impl PyFanout {
+    fn new(py: Python<'_>, plan: Plan<'_>, n: usize) -> PyResult<Self> {
+        let plan =
+            plan.unwrap_or_else(|| (0..n).map(|_| (false, py.None().into_bound(py))).collect());
+        if plan.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "a hook plan needs one entry per child ({n}), got {}",
+                plan.len()
+            )));
+        }
+        let mut calls = Vec::new();
+        let mut consts = Vec::with_capacity(n);
+        for (i, (call, obj)) in plan.into_iter().enumerate() {
+            if call {
+                calls.push((i, obj.unbind()));
+                consts.push(py.None());
+            } else {
+                consts.push(obj.unbind());
+            }
+        }
+        Ok(Self { calls, consts })
+    }
+
+    /// Every child's answer: the constants, and `call(method)` for the
+    /// children that must be called (a failure names the child).
+    fn answers<'py>(
+        &self,
+        py: Python<'py>,
+        call: impl Fn(&Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
+    ) -> Result<Vec<Bound<'py, PyAny>>, (usize, PyErr)> {
+        let mut out: Vec<Bound<'py, PyAny>> =
+            self.consts.iter().map(|c| c.bind(py).clone()).collect();
+        for (i, f) in &self.calls {
+            out[*i] = call(f.bind(py)).map_err(|e| (*i, e))?;
+        }
+        Ok(out)
+    }
+}
+
+/// The Python objects the per-step hooks hand back to vLLM, and how often
+/// the counters are reported.
+struct Glue {
+    /// `KvmuxMetadata(children, extra_async_saves, dropped_saves)`.
+    metadata: Py<PyAny>,
+    /// `KvmuxWorkerMetadata`, the type the workers' metadata must have.
+    worker_metadata: Py<PyType>,
+    /// `build_child_stats(names, child_stats, counters)`.
+    stats: Py<PyAny>,
+    stats_every: std::time::Duration,
+    names: Py<PyTuple>,
+}
+
 // --------------------------------------------------------------- the mux
 
 /// The multiplexer (see `mux.rs`), with its children's hooks.
@@ -266,9 +325,75 @@ pub struct PyMux {
     all_hma: bool,
     /// How to run a multi-group model with non-HMA children (for the error).
     hma_fix: String,
+    on_new_request: PyFanout,
+    build_meta: PyFanout,
+    update_output: PyFanout,
+    child_stats: PyFanout,
+    /// None on a worker: its Mux only counts.
+    glue: Option<Glue>,
 }
 
 impl PyMux {
+    fn glue(&self, hook: &str) -> PyResult<&Glue> {
+        self.glue.as_ref().ok_or_else(|| {
+            PyRuntimeError::new_err(format!(
+                "kvmux: {hook} is a scheduler-side hook; this multiplexer was built without \
+                 the scheduler's glue"
+            ))
+        })
+    }
+
+    fn child_error(&self, py: Python<'_>, hook: &'static str, (i, e): (usize, PyErr)) -> PyErr {
+        self.error(py, MuxError::child(i, hook, ChildFault::Raised(e)))
+    }
+
+    /// The workers' failed loads (`invalid_block_ids`, `failed_recving`):
+    /// the tokens vLLM recomputes stop counting as loaded. Returns how many
+    /// requests lost tokens.
+    fn load_errors(
+        &self,
+        invalid_block_ids: Option<std::collections::HashSet<u32>>,
+        failed_recving: Option<std::collections::HashSet<String>>,
+    ) -> usize {
+        let invalid = invalid_block_ids.unwrap_or_default();
+        let failed = failed_recving.unwrap_or_default();
+        if invalid.is_empty() && failed.is_empty() {
+            return 0;
+        }
+        self.core
+            .load_errors(|b| invalid.contains(&b), |r| failed.contains(r))
+    }
+
+    /// What the workers must be told with the next step's metadata:
+    /// `(extra async completions by request, children whose completions to
+    /// drop by request)`, each None when empty.
+    #[allow(clippy::type_complexity)]
+    fn take_outbox<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
+        let out = self.core.take_outbox();
+        let extra = if out.extra_async_saves.is_empty() {
+            None
+        } else {
+            let d = PyDict::new(py);
+            for (req, n) in out.extra_async_saves {
+                d.set_item(req, n)?;
+            }
+            Some(d)
+        };
+        let dropped = if out.dropped_saves.is_empty() {
+            None
+        } else {
+            let d = PyDict::new(py);
+            for (req, children) in out.dropped_saves {
+                d.set_item(req, PyTuple::new(py, children)?)?;
+            }
+            Some(d)
+        };
+        Ok((extra, dropped))
+    }
+
     fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
         match e {
             MuxError::Child { child, hook, fault } => {
@@ -483,9 +608,10 @@ impl PyMux {
     /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
     /// cache manager.
     #[new]
-    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix))]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         names: Vec<String>,
         clash_policy: &str,
         load_policy: &str,
@@ -494,8 +620,27 @@ impl PyMux {
         hma: Vec<bool>,
         logger: Bound<'_, PyAny>,
         hma_fix: String,
+        glue: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let n = names.len();
+        let glue = glue
+            .map(|g| -> PyResult<Glue> {
+                let item = |k: &str| {
+                    g.get_item(k)?
+                        .ok_or_else(|| PyValueError::new_err(format!("glue needs {k:?}")))
+                };
+                let every_s: f64 = item("stats_every_s")?.extract()?;
+                Ok(Glue {
+                    metadata: item("metadata")?.unbind(),
+                    worker_metadata: item("worker_metadata")?.cast_into::<PyType>()?.unbind(),
+                    stats: item("stats")?.unbind(),
+                    stats_every: std::time::Duration::try_from_secs_f64(every_s).map_err(|_| {
+                        PyValueError::new_err(format!("stats_every_s must be >= 0, got {every_s}"))
+                    })?,
+                    names: PyTuple::new(py, &names)?.unbind(),
+                })
+            })
+            .transpose()?;
         let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
         let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
         let core =
@@ -552,6 +697,11 @@ impl PyMux {
             all_hma: hma.iter().all(|&h| h),
             hma,
             hma_fix,
+            on_new_request: PyFanout::new(py, plan(hook::ON_NEW_REQUEST)?, n)?,
+            build_meta: PyFanout::new(py, plan(hook::BUILD_META)?, n)?,
+            update_output: PyFanout::new(py, plan(hook::UPDATE_OUTPUT)?, n)?,
+            child_stats: PyFanout::new(py, plan(hook::STATS)?, n)?,
+            glue,
             logger: logger.unbind(),
             core,
         })
@@ -700,67 +850,119 @@ impl PyMux {
         Ok(keep)
     }
 
+    /// vLLM's `on_new_request`: the children whose hook does something hear
+    /// of the request.
+    fn on_new_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        for (i, f) in &self.on_new_request.calls {
+            f.bind(py)
+                .call1((request,))
+                .map_err(|e| self.child_error(py, hook::ON_NEW_REQUEST, (*i, e)))?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `build_connector_meta`: every child's metadata, in config
+    /// order, and what the workers must know of the requests that finished
+    /// since the last step (taken only once every child has answered).
+    fn build_connector_meta<'py>(
+        &self,
+        py: Python<'py>,
+        scheduler_output: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let glue = self.glue(hook::BUILD_META)?;
+        let metas = self
+            .build_meta
+            .answers(py, |f| f.call1((scheduler_output,)))
+            .map_err(|e| self.child_error(py, hook::BUILD_META, e))?;
+        let (extra, dropped) = self.take_outbox(py)?;
+        glue.metadata
+            .bind(py)
+            .call1((PyTuple::new(py, metas)?, extra, dropped))
+    }
+
+    /// vLLM's `update_connector_output`: loads the workers report failed
+    /// (`invalid_block_ids`, `failed_recving`) stop counting as loaded; each
+    /// child whose hook does something sees its own slice of the workers'
+    /// metadata (restored afterwards).
+    fn update_connector_output(
+        &self,
+        py: Python<'_>,
+        connector_output: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let output = connector_output;
+        let glue = self.glue(hook::UPDATE_OUTPUT)?;
+        if self.core.watching() {
+            let invalid: Option<std::collections::HashSet<u32>> = output
+                .getattr(intern!(py, "invalid_block_ids"))?
+                .extract()?;
+            let failed: Option<std::collections::HashSet<String>> =
+                match output.getattr(intern!(py, "failed_recving")) {
+                    Ok(f) => f.extract()?,
+                    Err(_) => None, // a vLLM without failed_recving
+                };
+            self.load_errors(invalid, failed);
+        }
+        let key = intern!(py, "kv_connector_worker_meta");
+        let worker_meta = output.getattr(key)?;
+        if !worker_meta.is_none() && !worker_meta.is_instance(glue.worker_metadata.bind(py))? {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "kvmux got worker metadata of type {}; the workers must run the same \
+                 KvmuxConnector configuration",
+                worker_meta.get_type().name()?
+            )));
+        }
+        if self.update_output.calls.is_empty() {
+            return Ok(());
+        }
+        let slices = if worker_meta.is_none() {
+            None
+        } else {
+            Some(worker_meta.getattr(intern!(py, "children"))?)
+        };
+        let told = (|| -> PyResult<()> {
+            for (i, f) in &self.update_output.calls {
+                if let Some(s) = &slices {
+                    output.setattr(key, s.get_item(*i)?)?;
+                }
+                f.bind(py)
+                    .call1((output,))
+                    .map_err(|e| self.child_error(py, hook::UPDATE_OUTPUT, (*i, e)))?;
+            }
+            Ok(())
+        })();
+        if slices.is_some() {
+            output.setattr(key, &worker_meta)?;
+        }
+        told
+    }
+
+    /// vLLM's `get_kv_connector_stats` (every step): the children's stats
+    /// and kvmux's counters, at most once per `stats_every_s` and whenever
+    /// no request is live (the counts wait in the core until taken); None
+    /// when there is nothing to report.
+    fn get_kv_connector_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let glue = self.glue(hook::STATS)?;
+        let stats = self
+            .child_stats
+            .answers(py, |f| f.call0())
+            .map_err(|e| self.child_error(py, hook::STATS, e))?;
+        let counters = match self.core.take_interval_every(glue.stats_every) {
+            Some(delta) if !delta.is_zero() => Some(self.counters_dict(py, &delta, true)?),
+            _ => None,
+        };
+        if counters.is_none() && stats.iter().all(|s| s.is_none()) {
+            return Ok(None);
+        }
+        let built =
+            glue.stats
+                .bind(py)
+                .call1((glue.names.bind(py), PyTuple::new(py, stats)?, counters))?;
+        Ok((!built.is_none()).then_some(built))
+    }
+
     /// The child chosen to load a request, if any.
     fn chosen(&self, req_id: &str) -> Option<usize> {
         self.core.chosen(req_id)
-    }
-
-    /// Drop a request's state without counting it finished. True if there was.
-    fn forget(&self, req_id: &str) -> bool {
-        self.core.forget(req_id)
-    }
-
-    /// Whether any planned load is watched for load errors.
-    #[getter]
-    fn watching(&self) -> bool {
-        self.core.watching()
-    }
-
-    /// The workers' failed loads (`invalid_block_ids`, `failed_recving`):
-    /// the tokens vLLM recomputes stop counting as loaded. Returns how many
-    /// requests lost tokens.
-    fn load_errors(
-        &self,
-        invalid_block_ids: Option<std::collections::HashSet<u32>>,
-        failed_recving: Option<std::collections::HashSet<String>>,
-    ) -> usize {
-        let invalid = invalid_block_ids.unwrap_or_default();
-        let failed = failed_recving.unwrap_or_default();
-        if invalid.is_empty() && failed.is_empty() {
-            return 0;
-        }
-        self.core
-            .load_errors(|b| invalid.contains(&b), |r| failed.contains(r))
-    }
-
-    /// What the workers must be told with the next step's metadata:
-    /// `(extra async completions by request, children whose completions to
-    /// drop by request)`, each None when empty.
-    #[allow(clippy::type_complexity)]
-    fn take_outbox<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
-        let out = self.core.take_outbox();
-        let extra = if out.extra_async_saves.is_empty() {
-            None
-        } else {
-            let d = PyDict::new(py);
-            for (req, n) in out.extra_async_saves {
-                d.set_item(req, n)?;
-            }
-            Some(d)
-        };
-        let dropped = if out.dropped_saves.is_empty() {
-            None
-        } else {
-            let d = PyDict::new(py);
-            for (req, children) in out.dropped_saves {
-                d.set_item(req, PyTuple::new(py, children)?)?;
-            }
-            Some(d)
-        };
-        Ok((extra, dropped))
     }
 
     /// Worker side: requests reported finished sending, blocks failed to load.

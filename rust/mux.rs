@@ -31,6 +31,10 @@ pub mod hook {
     pub const FINISHED: &str = "request_finished";
     pub const FINISHED_ALL_GROUPS: &str = "request_finished_all_groups";
     pub const PARTIAL_TAIL: &str = "register_finished_partial_tail";
+    pub const ON_NEW_REQUEST: &str = "on_new_request";
+    pub const BUILD_META: &str = "build_connector_meta";
+    pub const UPDATE_OUTPUT: &str = "update_connector_output";
+    pub const STATS: &str = "get_kv_connector_stats";
 
     /// What a child's answer to `hook` must be, for error messages.
     pub fn contract(hook: &str) -> &'static str {
@@ -203,11 +207,21 @@ impl Mux {
         mut ask: impl FnMut(usize) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Lookup, MuxError<E>> {
         let n = self.names.len();
-        let mut matches = [ChildMatch {
+        // On the stack for the usual handful of children.
+        const INLINE: usize = 8;
+        let unset = ChildMatch {
             tokens: None,
             load_async: false,
-        }; MAX_CHILDREN];
-        for (i, slot) in matches.iter_mut().enumerate().take(n) {
+        };
+        let mut inline = [unset; INLINE];
+        let mut heap = Vec::new();
+        let matches: &mut [ChildMatch] = if n <= INLINE {
+            &mut inline[..n]
+        } else {
+            heap.resize(n, unset);
+            &mut heap
+        };
+        for (i, slot) in matches.iter_mut().enumerate() {
             let got = ask(i).and_then(|m| {
                 if m.load_async && m.tokens == Some(0) {
                     Err(ChildFault::Malformed(
@@ -225,7 +239,7 @@ impl Mux {
                 }
             }
         }
-        let matches = &matches[..n];
+        let matches = &*matches;
         let got = self
             .table
             .lookup(req_id, num_computed_tokens, self.load, matches);
@@ -401,7 +415,8 @@ impl Mux {
         mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
     ) -> Result<(Vec<T>, Vec<Contained<E>>), MuxError<E>> {
         let n = self.names.len();
-        let took_part = self.table.get(req_id).map_or(0, |s| s.took_part);
+        // Read only when a child fails (the state is still in the table).
+        let mut took_part = None;
         let mut answers = Vec::with_capacity(n);
         let mut contained = Vec::new();
         let mut error = None;
@@ -410,7 +425,9 @@ impl Mux {
                 Ok(a) => answers.push(a),
                 Err(fault) => {
                     answers.push(default());
-                    if took_part & (1u64 << i) != 0 {
+                    let part = *took_part
+                        .get_or_insert_with(|| self.table.get(req_id).map_or(0, |s| s.took_part));
+                    if part & (1u64 << i) != 0 {
                         error.get_or_insert(MuxError::child(i, hooks(i), fault));
                     } else {
                         self.counters.child(i, Child::ContainedErrors, 1);
@@ -678,6 +695,15 @@ mod tests {
         assert_eq!(snap.children[0][Child::Lookups as usize], 1);
         assert_eq!(snap.children[0][Child::Hits as usize], 0);
         assert_eq!(snap.children[1][Child::HitTokens as usize], 16);
+    }
+
+    #[test]
+    fn lookup_over_many_children_chooses_among_all() {
+        let m = mux(MAX_CHILDREN, ClashPolicy::Error, LoadPolicy::Longest);
+        let got = m
+            .lookup("r", 0, |i| hit(if i == MAX_CHILDREN - 1 { 64 } else { 16 }))
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(64), Some(MAX_CHILDREN - 1)));
     }
 
     #[test]

@@ -160,7 +160,10 @@ impl Counters {
     pub fn take_interval_every(&self, every: Duration, flush: bool) -> Option<Snapshot> {
         let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
         let now_t = Instant::now();
-        let due = flush || taken.at.is_none_or(|at| now_t.duration_since(at) >= every);
+        let due = flush
+            || taken
+                .at
+                .map_or(true, |at| now_t.duration_since(at) >= every);
         if !due {
             return None;
         }

@@ -47,12 +47,15 @@ class Mux:
         hma: list[bool],
         logger: Any,
         hma_fix: str,
+        glue: dict[str, Any] | None = None,
     ) -> Self:
         """``hooks``: hook name -> per child ``(True, bound method)`` to call
         it or ``(False, its constant answer)``; a hook left out is answered by
         every child with vLLM's default. ``hma[i]``: child i supports HMA.
         ``logger`` gets the clash and containment warnings; ``hma_fix`` is
-        the fix named when a multi-group request meets a non-HMA child."""
+        the fix named when a multi-group request meets a non-HMA child;
+        ``glue`` (scheduler side) holds ``metadata``, ``worker_metadata``,
+        ``stats`` and ``stats_every_s`` for the per-step hooks."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -71,21 +74,16 @@ class Mux:
     ) -> bool: ...
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
-    def forget(self, req_id: str) -> bool:
-        """Drop a request's state without counting it finished."""
-    @property
-    def watching(self) -> bool:
-        """Whether any planned load is watched for load errors."""
-    def load_errors(
-        self, invalid_block_ids: set[int] | None, failed_recving: set[str] | None
-    ) -> int:
-        """Failed loads reported by the workers: the tokens vLLM recomputes
-        stop counting as loaded. Returns how many requests lost tokens."""
-    def take_outbox(
-        self,
-    ) -> tuple[dict[str, int] | None, dict[str, tuple[int, ...]] | None]:
-        """``(extra async completions, children whose completions to drop)``
-        by request, since the last call."""
+    def on_new_request(self, request: Any) -> None: ...
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's hook: ``glue["metadata"](children's metadata, extra async
+        saves, dropped completions)``."""
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's hook: failed loads stop counting as loaded; each child sees
+        its own slice of the workers' metadata."""
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's hook: ``glue["stats"](names, child stats, counters)`` at most
+        once per ``glue["stats_every_s"]`` and when idle; None if quiet."""
     def count_worker(self, finished_sending: int, load_failed_blocks: int) -> None: ...
     def stats(self) -> dict[str, Any]:
         """Cumulative counters plus ``live_requests``."""

@@ -139,11 +139,23 @@ class Children:
     def call(self, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``hook`` on every child that must be called, in config order;
         every child's answer (the constant ones included)."""
-        plan = self.plan(hook)
+        plan = self._plans.get(hook) or self.plan(hook)
         out = list(plan.answers)
         for i, fn in plan.active:
             try:
                 out[i] = fn(*args, **kwargs)
+            except Exception as e:
+                raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
+        return out
+
+    def call1(self, hook: str, arg: Any) -> list[Any]:
+        """As :meth:`call` with one positional argument (the per-step
+        hooks): no argument packing per child."""
+        plan = self._plans.get(hook) or self.plan(hook)
+        out = list(plan.answers)
+        for i, fn in plan.active:
+            try:
+                out[i] = fn(arg)
             except Exception as e:
                 raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
         return out

@@ -76,10 +76,6 @@ def _parse_from_vllm_config(vllm_config: VllmConfig) -> MuxConfig:
     return parse_mux_config(ktc)
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _no_events() -> tuple[()]:
     return ()
 
@@ -121,12 +117,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             fast["request_finished"] = mux.request_finished
             fast["request_finished_all_groups"] = mux.request_finished_all_groups
             fast["register_finished_partial_tail"] = mux.register_finished_partial_tail
-            # The per-step ones skip the facade's frame.
-            fast["build_connector_meta"] = self._scheduler.build_connector_meta
-            fast["update_connector_output"] = self._scheduler.update_connector_output
-            fast["get_kv_connector_stats"] = self._scheduler.get_kv_connector_stats
-            if not self._children.active("on_new_request"):
-                fast["on_new_request"] = _noop
+            fast["on_new_request"] = mux.on_new_request
+            fast["build_connector_meta"] = mux.build_connector_meta
+            fast["update_connector_output"] = mux.update_connector_output
+            fast["get_kv_connector_stats"] = mux.get_kv_connector_stats
             if self._children.silent("take_events"):
                 fast["take_events"] = _no_events
         else:
@@ -376,9 +370,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Stats of the last interval: kvmux's own counters and each child's,
-        by child name (on either side)."""
+        by child name (on either side; the scheduler's counters at most once
+        a second and when idle, see ``kvmux.scheduler.STATS_EVERY_S``)."""
         if self._scheduler is not None:
-            return self._scheduler.get_kv_connector_stats()
+            return self._scheduler.mux.get_kv_connector_stats()
         return self._work("get_kv_connector_stats").get_kv_connector_stats()
 
     def shutdown(self) -> None:
@@ -432,20 +427,21 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._children.each("bind_gpu_block_pool", gpu_block_pool)
 
     def on_new_request(self, request: Request) -> None:
-        """Every child hears of the request (bound to a no-op on the
-        instance when no child's hook does anything)."""
-        self._children.each("on_new_request", request)
+        """Every child whose hook does something hears of the request.
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        self._sched("on_new_request").mux.on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvmuxMetadata:
         """Each child's metadata, plus what the workers must know of the
         requests that finished (extra async saves, dropped completions)."""
-        return self._sched("build_connector_meta").build_connector_meta(scheduler_output)
+        return self._sched("build_connector_meta").mux.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees its own slice of the workers' metadata. Loads the
         workers report failed (``invalid_block_ids``, ``failed_recving``) stop
-        counting in ``num_extra_cached_tokens``; vLLM handles the requests."""
-        self._sched("update_connector_output").update_connector_output(connector_output)
+        counting in ``num_extra_cached_tokens``; vLLM handles the requests.
+        (Bound to the Rust multiplexer's method on the instance.)"""
+        self._sched("update_connector_output").mux.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -18,13 +18,11 @@ from kvmux._core import Mux
 from kvmux.children import Children
 from kvmux.config import HMA_FIX, MuxConfig
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import KvmuxStats, build_child_stats
+from kvmux.stats import build_child_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["CORE_HOOKS", "STATS_EVERY_S", "MuxScheduler", "build_mux"]
@@ -44,6 +42,10 @@ CORE_HOOKS = (
     "request_finished",
     "request_finished_all_groups",
     "register_finished_partial_tail",
+    "on_new_request",
+    "build_connector_meta",
+    "update_connector_output",
+    "get_kv_connector_stats",
 )
 
 
@@ -60,6 +62,14 @@ def build_mux(cfg: MuxConfig, children: Children, block_size: int, *, hooks: boo
         [spec.supports_hma for spec in cfg.children],
         logger,
         HMA_FIX,
+        {
+            "metadata": KvmuxMetadata,
+            "worker_metadata": KvmuxWorkerMetadata,
+            "stats": build_child_stats,
+            "stats_every_s": STATS_EVERY_S,
+        }
+        if hooks
+        else None,
     )
 
 
@@ -70,8 +80,6 @@ class MuxScheduler:
         self.children = children
         self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=True)
         self.kv_cache_manager: KVCacheManager | None = None
-        # No child has stats of its own: the common quiet step is one call.
-        self._child_stats = not children.silent("get_kv_connector_stats")
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -94,53 +102,3 @@ class MuxScheduler:
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.children.each("bind_kv_cache_manager", kv_cache_manager)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvmuxMetadata:
-        """Every child's metadata, and what the workers must know of the
-        requests that finished since the last step."""
-        extra, dropped = self.mux.take_outbox()
-        return KvmuxMetadata(
-            children=tuple(self.children.call("build_connector_meta", scheduler_output)),
-            extra_async_saves=extra,
-            dropped_saves=dropped,
-        )
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Loads the workers report failed stop counting in
-        ``num_extra_cached_tokens``; each child sees its own slice of the
-        workers' metadata."""
-        if self.mux.watching:  # some load is planned: did any fail?
-            self.mux.load_errors(
-                connector_output.invalid_block_ids,
-                getattr(connector_output, "failed_recving", None),
-            )
-        worker_meta = connector_output.kv_connector_worker_meta
-        if worker_meta is not None and not isinstance(worker_meta, KvmuxWorkerMetadata):
-            raise TypeError(
-                f"kvmux got worker metadata of type {type(worker_meta).__name__}; "
-                "the workers must run the same KvmuxConnector configuration"
-            )
-        active = self.children.active("update_connector_output")
-        if not active:
-            return
-        try:
-            for i in active:
-                if worker_meta is not None:
-                    connector_output.kv_connector_worker_meta = worker_meta.children[i]
-                self.children.call_one(i, "update_connector_output", connector_output)
-        finally:
-            connector_output.kv_connector_worker_meta = worker_meta
-
-    def get_kv_connector_stats(self) -> KvmuxStats | None:
-        """kvmux's counters of the interval (see :data:`STATS_EVERY_S`) and
-        each child's stats."""
-        if not self._child_stats:
-            counters = self.mux.take_interval(STATS_EVERY_S)
-            if counters is None:
-                return None
-            return build_child_stats(self.children.names, (None,) * len(self.children), counters)
-        return build_child_stats(
-            self.children.names,
-            self.children.call("get_kv_connector_stats"),
-            self.mux.take_interval(STATS_EVERY_S),
-        )
