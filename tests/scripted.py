@@ -124,10 +124,12 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._maybe_fail("start_load_kv")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._maybe_fail("wait_for_layer_load")
         if self.script.get("layer_work"):
             self.layers_seen.append(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        self._maybe_fail("save_kv_layer")
         if self.script.get("layer_work"):
             self.layers_seen.append(layer_name)
 

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 import kvmux
-from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxParamClash
+from kvmux import KvmuxChildError, KvmuxConfigError, KvmuxConnector, KvmuxParamClash
 from tests.harness import (
     NOOP,
     SCRIPTED,
@@ -304,6 +304,22 @@ def test_per_layer_hooks_call_only_children_that_do_something():
     )
     both.wait_for_layer_load("L1")
     assert [c.layers_seen for c in both.children] == [["L1"], ["L1"]]
+
+
+def test_a_per_layer_failure_reaches_vllm_as_the_child_raised_it():
+    """The README's one exception to "a failing child is named": on the
+    per-layer path the instance's hook is the working child's own, so its
+    exception reaches vLLM unchanged; the step's other hooks name the child."""
+    noop = child("NoopConnector", module=NOOP)
+    for hook in ("save_kv_layer", "wait_for_layer_load"):
+        worker = build([noop, scripted(fail=hook)], role=KVConnectorRole.WORKER)
+        args = ("L0", None, None) if hook == "save_kv_layer" else ("L0",)
+        with pytest.raises(RuntimeError, match=f"scripted failure in {hook}") as got:
+            getattr(worker, hook)(*args)
+        assert not isinstance(got.value, KvmuxChildError)
+    worker = build([noop, scripted(fail="wait_for_save")], role=KVConnectorRole.WORKER)
+    with pytest.raises(KvmuxChildError, match="'ScriptedConnector' failed in wait_for_save"):
+        worker.wait_for_save()
 
 
 def test_every_hook_of_the_installed_vllm_is_delegated():

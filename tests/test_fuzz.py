@@ -5,8 +5,9 @@ pickled metadata, preemptions (a small device cache forces them), aborts
 before and after scheduling, finishing twice, async-save completions held
 back and released out of order, prefix-cache resets, through
 ``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children, driven
-by vLLM's real scheduler (``kvmux.sim``). Invariants are checked after every
-step and at the end through public introspection calls only.
+by vLLM's real scheduler (``kvmux.bench.sim``, with ``tests.harness``'s KV
+writes). Invariants are checked after every step and at the end through
+public introspection calls only.
 
 CI runs ``KVMUX_FUZZ_EXAMPLES`` (default 200) examples of 50 requests each:
 10,000 lifecycles. ``KVMUX_LONG=1`` runs the marked long version (2,000).

@@ -15,7 +15,7 @@ TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 
 #: vLLM 0.33 asks connectors ``supports_sleep_mode`` (a classmethod) and calls
 #: ``unregister_kv_caches`` / ``restore_kv_caches`` around sleep; vLLM 0.32
-#: has none of them. (The two worker hooks are fanned out only where the base
-#: class defines them, see kvmux._fanout; everything else kvmux uses is the
-#: same in 0.32 and 0.33.)
+#: has none of them. (kvmux declares every hook of either version; a child
+#: without a hook is not called for it, see kvmux.children; everything else
+#: kvmux uses is the same in 0.32 and 0.33.)
 HAS_SLEEP_MODE: bool = hasattr(_base.KVConnectorBase_V1, "supports_sleep_mode")

@@ -124,8 +124,7 @@ class Lifecycles:
         if self.sim is None:
             raise RuntimeError("no lifecycle has run yet")
         conn = self.sim.connector
-        children = getattr(conn, "children", None) or conn._connectors
-        return children[0]
+        return conn.sub_connectors[0]  # both sides have it (kvmux: an alias of children)
 
 
 def build(quick: bool) -> Case:
