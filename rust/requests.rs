@@ -13,6 +13,7 @@
 use dashmap::DashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 /// Most children a multiplexer may have: `took_part` is a bit set in a u64.
 pub const MAX_CHILDREN: usize = 64;
@@ -133,7 +134,7 @@ fn all_children(n: usize) -> u64 {
 /// The per-request table.
 #[derive(Debug, Default)]
 pub struct RequestTable {
-    map: DashMap<String, RequestState>,
+    map: DashMap<String, RequestState, Xxh3DefaultBuilder>,
     /// Entries in `map`, kept beside it: `DashMap::len` locks every shard.
     live: AtomicUsize,
 }
