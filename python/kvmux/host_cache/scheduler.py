@@ -184,7 +184,7 @@ class HostCacheScheduler:
         offer: list[tuple[int, list[int]]] = []
         for g, window in enumerate(self.windows):
             first = start if window is None else max(start, end - window)
-            slots = self.index.pin_ready(keys[first - start :], g)
+            slots = self.index.pin_ready(keys if first == start else keys[first - start :], g)
             if slots is None:
                 for _, pinned in offer:
                     self.index.unpin(pinned)
@@ -193,8 +193,8 @@ class HostCacheScheduler:
         return offer
 
     def _release_offer(self, st: _Req) -> None:
-        if st.offer:
-            self.index.unpin([s for _, slots in st.offer for s in slots])
+        for _, slots in st.offer:  # one Rust call per group, no list built
+            self.index.unpin(slots)
         st.offer = []
 
     def allocated(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
