@@ -1113,6 +1113,24 @@ impl From<ServablePrefix> for PyServablePrefix {
     }
 }
 
+/// The answer of `HostIndex.reserve`: the slots reserved (Writing, pinned
+/// until `commit` or `abort`) and the positions in the keys they are for.
+#[pyclass(frozen, get_all, name = "Reservation", module = "kvmux._core")]
+pub struct PyReservation {
+    positions: Vec<usize>,
+    slots: Vec<u32>,
+}
+
+#[pymethods]
+impl PyReservation {
+    fn __repr__(&self) -> String {
+        format!(
+            "Reservation(positions={:?}, slots={:?})",
+            self.positions, self.slots
+        )
+    }
+}
+
 #[pymethods]
 impl PyServablePrefix {
     fn __repr__(&self) -> String {
@@ -1186,12 +1204,12 @@ impl PyHostIndex {
         with_keys(keys, |k| ix.pin_ready_in(group, k))
     }
 
-    /// Reserve slots for `group`'s uncached blocks of `keys`:
-    /// `(positions in keys, slots)`.
+    /// Reserve slots for `group`'s uncached blocks of `keys`.
     #[pyo3(signature = (keys, group = 0))]
-    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<(Vec<usize>, Vec<u32>)> {
+    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<PyReservation> {
         let mut ix = self.lock_group(group)?;
-        with_keys(keys, |k| ix.reserve_in(group, k).into_iter().unzip())
+        let (positions, slots) = with_keys(keys, |k| ix.reserve_in(group, k).into_iter().unzip())?;
+        Ok(PyReservation { positions, slots })
     }
 
     fn commit(&self, slots: Vec<u32>) -> usize {
@@ -1274,6 +1292,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySaveCountdown>()?;
     m.add_class::<PyHostIndex>()?;
     m.add_class::<PyServablePrefix>()?;
+    m.add_class::<PyReservation>()?;
     m.add_function(wrap_pyfunction!(py_chain_token_hashes, m)?)?;
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;

@@ -257,8 +257,7 @@ def test_python_threads_share_the_core_without_losing_a_count():
                     core.request_finished(req, [])
                 done |= countdown.complete(ids)
                 key = [bytes([t, n % 8]) * 8]
-                _, slots = index.reserve(key)
-                index.commit(slots)
+                index.commit(index.reserve(key).slots)
             finished.append(done)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)

@@ -117,10 +117,10 @@ def test_eviction_under_pressure_never_exceeds_capacity(driver_factory):
 def test_pinned_slots_survive_eviction():
     ix = HostIndex(3)
     keys = [bytes([i]) * 16 for i in range(6)]
-    _, slots = ix.reserve(keys[:3])
+    slots = ix.reserve(keys[:3]).slots
     ix.commit(slots)
     pinned = ix.pin_ready(keys[:1])
-    _, got = ix.reserve(keys[3:6])  # wants 3 slots, only 2 evictable
+    got = ix.reserve(keys[3:6]).slots  # wants 3 slots, only 2 evictable
     assert len(got) == 2
     assert ix.longest_prefix(keys[:1]) == 1
     ix.check()
@@ -137,7 +137,8 @@ def test_a_load_in_flight_pins_its_slots_until_the_worker_confirms(driver_factor
     d.add("B", PREFIX + [2])
     so = d.scheduler.schedule()  # plans B's load: its 3 slots are pinned now
     assert d.connector.index_stats()["pinned"] == 3
-    assert d.connector.scheduler.index.reserve([b"x" * 16, b"y" * 16]) == ([0], [3])
+    got = d.connector.scheduler.index.reserve([b"x" * 16, b"y" * 16])
+    assert (got.positions, got.slots) == ([0], [3])
     d.scheduler.update_from_output(so, fake_model_output(so))  # the worker never ran
     assert d.connector.index_stats()["pinned"] == 4  # still pinned (3 + the reservation)
 

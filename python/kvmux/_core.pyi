@@ -15,6 +15,7 @@ __all__ = [
     "TOTAL_COUNTERS",
     "HostIndex",
     "Mux",
+    "Reservation",
     "SaveCountdown",
     "ServablePrefix",
     "bind_errors",
@@ -105,6 +106,17 @@ class SaveCountdown:
     def __len__(self) -> int: ...
 
 @final
+class Reservation:
+    """The answer of :meth:`HostIndex.reserve`."""
+
+    @property
+    def positions(self) -> list[int]:
+        """Where in the keys each reserved slot's block is."""
+    @property
+    def slots(self) -> list[int]:
+        """The slots reserved: Writing, pinned until ``commit`` or ``abort``."""
+
+@final
 class ServablePrefix:
     """The answer of :meth:`HostIndex.servable_prefix`, in blocks."""
 
@@ -139,8 +151,8 @@ class HostIndex:
     def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
         """Pin the slots of ``group``'s ``keys`` for a load; None (nothing
         pinned) unless all are ready."""
-    def reserve(self, keys: list[bytes], group: int = 0) -> tuple[list[int], list[int]]:
-        """Reserve slots for ``group``'s uncached ``keys``: (positions in keys, slots)."""
+    def reserve(self, keys: list[bytes], group: int = 0) -> Reservation:
+        """Reserve slots for ``group``'s uncached ``keys``."""
     def commit(self, slots: list[int]) -> int: ...
     def abort(self, slots: list[int]) -> int: ...
     def unpin(self, slots: list[int]) -> None: ...

@@ -59,8 +59,7 @@ def build(quick: bool) -> Case:
 
     host = _conn("KvmuxHostCache", "kvmux", {"num_blocks": POOL_BLOCKS})
     index = host.scheduler.index
-    _, slots = index.reserve(hashes)
-    index.commit(slots)
+    index.commit(index.reserve(hashes).slots)
 
     simple = _conn("SimpleCPUOffloadConnector", None, {"num_cpu_blocks": POOL_BLOCKS})
     mgr = simple.scheduler_manager

@@ -322,9 +322,8 @@ class HostCacheScheduler:
                         all_ids = kv_cache_manager.get_block_ids(req_id)
                     sub = self._save_positions(st, first, len(keys), all_ids[g], window)
                     self.stats.add(f"group{g}.skipped_blocks", len(keys) - len(sub))
-                positions, slots = self.index.reserve(
-                    keys if sub is None else [keys[p] for p in sub], g
-                )
+                got = self.index.reserve(keys if sub is None else [keys[p] for p in sub], g)
+                positions, slots = got.positions, got.slots
                 if not slots:
                     continue
                 if sub is not None:
