@@ -476,7 +476,8 @@ impl PyMux {
         }
     }
 
-    /// A finish hook, child `i` called as `hooks(i)` with `args(i)`.
+    /// A finish hook: child `i` is called with `route(i)`, the hook it gets
+    /// and the block ids to pass it.
     fn finish<'py>(
         &self,
         py: Python<'py>,

@@ -22,6 +22,7 @@ cost of the lifecycles, without the scheduler's or the workers'.
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 from collections.abc import Callable
@@ -80,6 +81,8 @@ class Lifecycles:
         self.sim: SchedulerSim | None = None
         self.calls: list[str] = []
         self.lookups: list[tuple[int, bool]] = []
+        self.per_hook: collections.Counter[str] = collections.Counter()
+        """Seconds spent in each hook, summed over every run so far."""
 
     def __call__(self) -> float:
         if self.sim is not None:
@@ -100,7 +103,9 @@ class Lifecycles:
                 try:
                     out = fn(*args, **kwargs)
                 finally:
-                    spent[0] += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    spent[0] += took
+                    self.per_hook[name] += took
                     depth[0] = 0
                 calls.append(name)
                 if name == "get_num_new_matched_tokens":
