@@ -609,7 +609,7 @@ impl PyMux {
     /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
     /// cache manager.
     #[new]
-    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None))]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -622,6 +622,7 @@ impl PyMux {
         logger: Bound<'_, PyAny>,
         hma_fix: String,
         glue: Option<&Bound<'_, PyDict>>,
+        lookup_timeouts_ms: Option<Vec<Option<f64>>>,
     ) -> PyResult<Self> {
         let n = names.len();
         let glue = glue
@@ -644,11 +645,23 @@ impl PyMux {
             .transpose()?;
         let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
         let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
-        let core =
-            Mux::new(names, clash, load, block_size).map_err(|e: MuxError<PyErr>| match e {
-                MuxError::Config(msg) => PyValueError::new_err(msg),
-                other => PyValueError::new_err(other.to_string()),
-            })?;
+        let deadlines = lookup_timeouts_ms
+            .unwrap_or_else(|| vec![None; n])
+            .into_iter()
+            .map(|ms| {
+                ms.map(|ms| {
+                    std::time::Duration::try_from_secs_f64(ms / 1000.0).map_err(|_| {
+                        PyValueError::new_err(format!(
+                            "lookup_timeouts_ms must be >= 0 milliseconds, got {ms}"
+                        ))
+                    })
+                })
+                .transpose()
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let core = Mux::new(names, clash, load, block_size)
+            .and_then(|m| m.with_lookup_deadlines(deadlines))
+            .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         if hma.len() != n {
             return Err(PyValueError::new_err(format!(
                 "hma needs one flag per child ({n}), got {}",

@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use dashmap::{DashMap, DashSet};
 
@@ -128,6 +129,9 @@ pub struct Mux {
     /// Request id -> device blocks (group 0) of its planned load.
     watched: DashMap<String, Vec<u32>>,
     n_watched: AtomicUsize,
+    /// Per child: how long a lookup may stay "not ready" (None: forever).
+    deadlines: Vec<Option<Duration>>,
+    any_deadline: bool,
 }
 
 impl Mux {
@@ -159,7 +163,30 @@ impl Mux {
             outbox: Mutex::new(Outbox::default()),
             watched: DashMap::new(),
             n_watched: AtomicUsize::new(0),
+            deadlines: Vec::new(),
+            any_deadline: false,
         })
+    }
+
+    /// Give child i a lookup deadline `deadlines[i]`: a child still answering
+    /// "not ready" that long after the request's first lookup is treated as
+    /// a miss for it, is not asked again, and its later answers never count
+    /// (it still gets the allocation, with 0 tokens, and the finish, so it
+    /// releases what it reserved through its normal path).
+    pub fn with_lookup_deadlines<E>(
+        mut self,
+        deadlines: Vec<Option<Duration>>,
+    ) -> Result<Self, MuxError<E>> {
+        if deadlines.len() != self.names.len() {
+            return Err(MuxError::Config(format!(
+                "one lookup deadline per child ({}), got {}",
+                self.names.len(),
+                deadlines.len()
+            )));
+        }
+        self.any_deadline = deadlines.iter().any(Option::is_some);
+        self.deadlines = deadlines;
+        Ok(self)
     }
 
     pub fn len(&self) -> usize {
@@ -221,7 +248,25 @@ impl Mux {
             heap.resize(n, unset);
             &mut heap
         };
+        // Lookup deadlines: when the request was first looked up, and the
+        // children that already missed theirs (not asked again).
+        let (now, since, mut timed_out) = if self.any_deadline {
+            let now = Instant::now();
+            let prev = self.table.get(req_id);
+            let since = prev.and_then(|s| s.first_lookup).unwrap_or(now);
+            (Some(now), Some(since), prev.map_or(0, |s| s.timed_out))
+        } else {
+            (None, None, 0)
+        };
+        let miss = ChildMatch {
+            tokens: Some(0),
+            load_async: false,
+        };
         for (i, slot) in matches.iter_mut().enumerate() {
+            if timed_out & (1u64 << i) != 0 {
+                *slot = miss;
+                continue;
+            }
             let got = ask(i).and_then(|m| {
                 if m.load_async && m.tokens == Some(0) {
                     Err(ChildFault::Malformed(
@@ -239,10 +284,25 @@ impl Mux {
                 }
             }
         }
+        if let (Some(now), Some(since)) = (now, since) {
+            for (i, slot) in matches.iter_mut().enumerate() {
+                let late = self.deadlines[i].is_some_and(|d| now.duration_since(since) >= d);
+                if slot.tokens.is_none() && late {
+                    *slot = miss;
+                    timed_out |= 1u64 << i;
+                    self.counters.child(i, Child::LookupTimeouts, 1);
+                }
+            }
+        }
         let matches = &*matches;
-        let got = self
-            .table
-            .lookup(req_id, num_computed_tokens, self.load, matches);
+        let got = self.table.lookup_at(
+            req_id,
+            num_computed_tokens,
+            self.load,
+            matches,
+            since,
+            timed_out,
+        );
         if got.tokens.is_some() {
             for (i, m) in matches.iter().enumerate() {
                 let toks = m.tokens.unwrap_or(0);
@@ -695,6 +755,83 @@ mod tests {
         assert_eq!(snap.children[0][Child::Lookups as usize], 1);
         assert_eq!(snap.children[0][Child::Hits as usize], 0);
         assert_eq!(snap.children[1][Child::HitTokens as usize], 16);
+    }
+
+    fn with_deadlines(deadlines: Vec<Option<Duration>>) -> Mux {
+        mux(deadlines.len(), ClashPolicy::Error, LoadPolicy::First)
+            .with_lookup_deadlines::<String>(deadlines)
+            .unwrap()
+    }
+
+    fn not_ready() -> R<ChildMatch> {
+        Ok(ChildMatch {
+            tokens: None,
+            load_async: false,
+        })
+    }
+
+    #[test]
+    fn a_child_past_its_deadline_is_a_miss_and_never_asked_again() {
+        let m = with_deadlines(vec![Some(Duration::ZERO), None]);
+        let got = m
+            .lookup("r", 0, |i| if i == 0 { not_ready() } else { hit(32) })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
+        // Its late answer never counts: it is not even asked.
+        let again = m
+            .lookup("r", 0, |i| {
+                assert_ne!(i, 0, "a timed-out child is not asked again");
+                hit(16)
+            })
+            .unwrap();
+        assert_eq!((again.tokens, again.chosen), (Some(16), Some(1)));
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
+        // It still took part: its finish is called like any other's.
+        let mut finished = vec![];
+        m.finish(
+            "r",
+            |_| hook::FINISHED,
+            false,
+            own,
+            |i| {
+                finished.push(i);
+                done(false, None)
+            },
+        )
+        .unwrap();
+        assert_eq!(finished, [0, 1]);
+    }
+
+    #[test]
+    fn within_its_deadline_a_not_ready_child_keeps_the_request_waiting() {
+        let hour = Some(Duration::from_secs(3600));
+        let m = with_deadlines(vec![hour, None]);
+        let got = m
+            .lookup("r", 0, |i| if i == 0 { not_ready() } else { hit(32) })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 0);
+        // A child without a deadline waits for ever, whatever the others'.
+        let m = with_deadlines(vec![None, Some(Duration::ZERO)]);
+        let got = m.lookup("r", 0, |_| not_ready()).unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.snapshot().children[1][Child::LookupTimeouts as usize], 1);
+    }
+
+    #[test]
+    fn the_deadline_runs_from_the_first_lookup() {
+        let m = with_deadlines(vec![Some(Duration::from_millis(30))]);
+        assert_eq!(m.lookup("r", 0, |_| not_ready()).unwrap().tokens, None);
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(m.lookup("r", 0, |_| not_ready()).unwrap().tokens, Some(0));
+    }
+
+    #[test]
+    fn deadlines_are_one_per_child() {
+        let err = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_lookup_deadlines::<String>(vec![None]);
+        assert!(matches!(err, Err(MuxError::Config(_))));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 use dashmap::DashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::Instant;
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 /// Most children a multiplexer may have: `took_part` is a bit set in a u64.
@@ -115,6 +116,12 @@ pub struct RequestState {
     pub loaded_tokens: u64,
     /// Bit i set: child i took part (was looked up or allocated blocks).
     pub took_part: u64,
+    /// When the request was first looked up (kept only when some child has
+    /// a lookup deadline).
+    pub first_lookup: Option<Instant>,
+    /// Bit i set: child i missed its lookup deadline for this request; its
+    /// answers no longer count (it is not asked again).
+    pub timed_out: u64,
 }
 
 impl RequestState {
@@ -168,8 +175,25 @@ impl RequestTable {
         policy: LoadPolicy,
         matches: &[ChildMatch],
     ) -> Lookup {
+        self.lookup_at(req_id, local_hit_tokens, policy, matches, None, 0)
+    }
+
+    /// [`RequestTable::lookup`], also recording when the request was first
+    /// looked up (`since`, kept from the first call) and the children that
+    /// missed their lookup deadline (`timed_out`, added).
+    pub fn lookup_at(
+        &self,
+        req_id: &str,
+        local_hit_tokens: u64,
+        policy: LoadPolicy,
+        matches: &[ChildMatch],
+        since: Option<Instant>,
+        timed_out: u64,
+    ) -> Lookup {
         let decision = choose(policy, matches);
         self.update(req_id, |st| {
+            st.first_lookup = st.first_lookup.or(since);
+            st.timed_out |= timed_out;
             st.took_part |= all_children(matches.len());
             st.local_hit_tokens = local_hit_tokens;
             if decision.tokens.is_some() {

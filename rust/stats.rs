@@ -24,6 +24,8 @@ pub enum Child {
     AsyncSaves,
     /// Failures of this child on requests it never took part in, contained.
     ContainedErrors,
+    /// Lookups this child left "not ready" past its deadline (a miss).
+    LookupTimeouts,
 }
 
 /// Names of the per-child counters, by `Child` variant: the one source of the
@@ -36,11 +38,12 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "load_tokens",
     "async_saves",
     "contained_errors",
+    "lookup_timeouts",
 ];
 
 impl Child {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Child::ContainedErrors as usize + 1;
+    pub const COUNT: usize = Child::LookupTimeouts as usize + 1;
 }
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.

@@ -49,6 +49,7 @@ class Mux:
         logger: Any,
         hma_fix: str,
         glue: dict[str, Any] | None = None,
+        lookup_timeouts_ms: list[float | None] | None = None,
     ) -> Self:
         """``hooks``: hook name -> per child ``(True, bound method)`` to call
         it or ``(False, its constant answer)``; a hook left out is answered by
@@ -56,7 +57,8 @@ class Mux:
         ``logger`` gets the clash and containment warnings; ``hma_fix`` is
         the fix named when a multi-group request meets a non-HMA child;
         ``glue`` (scheduler side) holds ``metadata``, ``worker_metadata``,
-        ``stats`` and ``stats_every_s`` for the per-step hooks."""
+        ``stats`` and ``stats_every_s`` for the per-step hooks;
+        ``lookup_timeouts_ms[i]``: child i's lookup deadline (None: none)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

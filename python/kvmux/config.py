@@ -24,10 +24,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ChildSpec", "MuxConfig", "parse_mux_config"]
 
-ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy")
+#: How long a child may answer a lookup "not ready" before kvmux treats it
+#: as a miss for that request (ms; global here, or per child in its entry).
+LOOKUP_TIMEOUT_KEY = "lookup_timeout_ms"
+ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY)
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
 NAME_KEY = "name"
+#: The keys of a child's entry that are kvmux's, not the child's.
+CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
@@ -49,6 +54,8 @@ class ChildSpec:
     transfer_config: KVTransferConfig
     cls: type
     supports_hma: bool
+    lookup_timeout_ms: float | None = None
+    """How long the child may answer a lookup "not ready" (None: no limit)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config."""
@@ -101,9 +108,32 @@ class _RawChild:
     name: str | None
     transfer_config: KVTransferConfig
     cls: type
+    lookup_timeout_ms: float | None
 
 
-def _child(index: int, raw: Any, parent: KVTransferConfig, problems: list[str]) -> _RawChild | None:
+def _timeout(raw: Mapping[str, Any], where: str, problems: list[str]) -> float | None:
+    """``lookup_timeout_ms`` of ``raw`` (None when absent); a problem when it
+    is not a number of milliseconds > 0."""
+    value = raw.get(LOOKUP_TIMEOUT_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        problems.append(
+            f"{where}{LOOKUP_TIMEOUT_KEY}={value!r} is not valid; set it to the milliseconds "
+            "a child may answer a lookup 'not ready' before kvmux treats it as a miss "
+            "(a number > 0, e.g. 2000), or leave it out for no deadline"
+        )
+        return None
+    return float(value)
+
+
+def _child(
+    index: int,
+    raw: Any,
+    parent: KVTransferConfig,
+    problems: list[str],
+    default_timeout: float | None = None,
+) -> _RawChild | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -131,7 +161,7 @@ def _child(index: int, raw: Any, parent: KVTransferConfig, problems: list[str]) 
     fields = {
         "kv_role": parent.kv_role,
         "kv_buffer_device": parent.kv_buffer_device,
-        **{k: v for k, v in raw.items() if k != NAME_KEY},
+        **{k: v for k, v in raw.items() if k not in CHILD_KEYS},
         "engine_id": raw.get("engine_id", parent.engine_id),
     }
     try:
@@ -163,7 +193,9 @@ def _child(index: int, raw: Any, parent: KVTransferConfig, problems: list[str]) 
         except KvmuxConfigError as e:
             problems.extend(f"{where}: {p}" for p in e.problems)
             return None
-    return _RawChild(index, cls_name, name, ktc, cls)
+    own_timeout = _timeout(raw, f"{where}: ", problems)
+    timeout = own_timeout if LOOKUP_TIMEOUT_KEY in raw else default_timeout
+    return _RawChild(index, cls_name, name, ktc, cls, timeout)
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -186,6 +218,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             )
     clash = _policy(extra, "clash_policy", tuple(CLASH_POLICIES), DEFAULT_CLASH_POLICY, problems)
     load = _policy(extra, "load_policy", tuple(LOAD_POLICIES), DEFAULT_LOAD_POLICY, problems)
+    default_timeout = _timeout(extra, "kv_connector_extra_config: ", problems)
 
     raw_children = extra.get("connectors")
     children: list[_RawChild] = []
@@ -208,7 +241,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         )
     else:
         for i, raw in enumerate(raw_children):
-            got = _child(i, raw, kv_transfer_config, problems)
+            got = _child(i, raw, kv_transfer_config, problems, default_timeout)
             if got is not None:
                 children.append(got)
     names = _names(children, problems)
@@ -221,6 +254,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             transfer_config=c.transfer_config,
             cls=c.cls,
             supports_hma=KVConnectorFactory.supports_hma_config(c.transfer_config),
+            lookup_timeout_ms=c.lookup_timeout_ms,
         )
         for c, name in zip(children, names, strict=True)
     )

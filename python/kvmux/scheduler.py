@@ -70,6 +70,7 @@ def build_mux(cfg: MuxConfig, children: Children, block_size: int, *, hooks: boo
         }
         if hooks
         else None,
+        [spec.lookup_timeout_ms for spec in cfg.children],
     )
 
 

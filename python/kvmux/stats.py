@@ -205,6 +205,10 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_contained_errors",
         "Failures of a child on requests it never took part in, contained by kvmux.",
     ),
+    "lookup_timeouts": (
+        "kvmux_lookup_timeouts",
+        "Lookups a child left not ready past its lookup_timeout_ms (treated as a miss).",
+    ),
 }
 
 #: The same for the multiplexer-wide counters (no label; ``clashes``: label

@@ -163,6 +163,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
                 "class": _cls_path(spec.cls),
                 "kv_role": spec.transfer_config.kv_role,
                 "supports_hma": spec.supports_hma,
+                "lookup_timeout_ms": spec.lookup_timeout_ms,
             }
         )
     if disable_hma:
@@ -344,7 +345,9 @@ def _print(rep: Report, head: str) -> None:
     print(f"{head}connector: {rep.connector}")
     for c in rep.children:
         hma = "HMA" if c["supports_hma"] else "no HMA"
-        print(f"  child {c['name']}: {c['class']} ({hma})")
+        deadline = c.get("lookup_timeout_ms")
+        late = f", a miss after {deadline:g} ms not ready" if deadline is not None else ""
+        print(f"  child {c['name']}: {c['class']} ({hma}{late})")
     if rep.hma:
         print(f"hybrid KV cache manager: {rep.hma}")
     if rep.model:
