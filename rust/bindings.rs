@@ -13,7 +13,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -23,7 +23,7 @@ use crate::merge::{ClashPolicy, ValueEq};
 use crate::mux::{hook, ChildFinish, Contained, FinishedParams, Mux, Params, EXTRA_KEY};
 use crate::requests::{ChildMatch, LoadPolicy, MAX_CHILDREN};
 use crate::saves::SaveCountdown;
-use crate::stats::{Snapshot, Total, CHILD_NAMES, TOTAL_NAMES};
+use crate::stats::{Snapshot, CHILD_NAMES, TOTAL_NAMES};
 
 // ------------------------------------------------------------------ errors
 
@@ -560,37 +560,20 @@ impl PyMux {
         snap: &Snapshot,
         sparse: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let report = snap.report(sparse, self.core.clash_policy().as_str());
         let out = PyDict::new(py);
         let children = PyDict::new(py);
-        for (i, row) in snap.children.iter().enumerate() {
-            let d = PyDict::new(py);
-            for (k, &v) in CHILD_NAMES.iter().zip(row) {
-                if v > 0 || !sparse {
-                    d.set_item(k, v)?;
-                }
-            }
-            if !d.is_empty() {
-                children.set_item(self.core.name(i), d)?;
-            }
+        for (i, kv) in report.children {
+            children.set_item(self.core.name(i), kv.into_py_dict(py)?)?;
         }
         if !children.is_empty() || !sparse {
             out.set_item("children", children)?;
         }
-        let clash_rows = [
-            Total::ClashesResolved as usize,
-            Total::ClashesRaised as usize,
-        ];
-        let clashes: u64 = clash_rows.iter().map(|&i| snap.totals[i]).sum();
-        for (i, (k, &v)) in TOTAL_NAMES.iter().zip(&snap.totals).enumerate() {
-            if sparse && (v == 0 || clash_rows.contains(&i)) {
-                continue;
-            }
+        for (k, v) in report.totals {
             out.set_item(k, v)?;
         }
-        if sparse && clashes > 0 {
-            let by_policy = PyDict::new(py);
-            by_policy.set_item(self.core.clash_policy().as_str(), clashes)?;
-            out.set_item("clashes", by_policy)?;
+        if let Some((policy, n)) = report.clashes {
+            out.set_item("clashes", [(policy, n)].into_py_dict(py)?)?;
         }
         Ok(out)
     }

@@ -94,6 +94,56 @@ impl Snapshot {
     pub fn is_zero(&self) -> bool {
         self.totals.iter().all(|&v| v == 0) && self.children.iter().flatten().all(|&v| v == 0)
     }
+
+    /// The counters as kvmux reports them. `sparse` (an interval): zeros
+    /// dropped, and the two clash counters folded into one count under the
+    /// clash policy's name (`clashes: {policy: n}`); otherwise every counter.
+    pub fn report(&self, sparse: bool, clash_policy: &'static str) -> Report {
+        let keep = |v: u64| v > 0 || !sparse;
+        let children = self
+            .children
+            .iter()
+            .enumerate()
+            .map(|(i, row)| {
+                let kv = CHILD_NAMES
+                    .iter()
+                    .zip(row)
+                    .filter(|&(_, &v)| keep(v))
+                    .map(|(&k, &v)| (k, v))
+                    .collect::<Vec<_>>();
+                (i, kv)
+            })
+            .filter(|(_, kv)| !kv.is_empty())
+            .collect();
+        let folded = [
+            Total::ClashesResolved as usize,
+            Total::ClashesRaised as usize,
+        ];
+        let totals = TOTAL_NAMES
+            .iter()
+            .zip(&self.totals)
+            .enumerate()
+            .filter(|&(i, (_, &v))| keep(v) && !(sparse && folded.contains(&i)))
+            .map(|(_, (&k, &v))| (k, v))
+            .collect();
+        let clashes: u64 = folded.iter().map(|&i| self.totals[i]).sum();
+        Report {
+            children,
+            totals,
+            clashes: (sparse && clashes > 0).then_some((clash_policy, clashes)),
+        }
+    }
+}
+
+/// Counters as reported (see [`Snapshot::report`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    /// Per child (index) with anything to report: `(counter, value)`.
+    pub children: Vec<(usize, Vec<(&'static str, u64)>)>,
+    /// The multiplexer-wide counters: `(counter, value)`.
+    pub totals: Vec<(&'static str, u64)>,
+    /// The clash counters folded, under the clash policy's name.
+    pub clashes: Option<(&'static str, u64)>,
 }
 
 #[derive(Debug)]
@@ -193,6 +243,33 @@ impl Counters {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn an_interval_report_drops_zeros_and_folds_clashes_by_policy() {
+        let c = Counters::new(2);
+        c.child(1, Child::Loads, 2);
+        c.total(Total::ClashesResolved, 3);
+        c.total(Total::ClashesRaised, 1);
+        c.total(Total::Finished, 5);
+        let snap = c.snapshot();
+        let r = snap.report(true, "first");
+        assert_eq!(r.children, vec![(1, vec![("loads", 2)])]);
+        assert_eq!(r.totals, vec![("finished", 5)]);
+        assert_eq!(r.clashes, Some(("first", 4)));
+        let full = snap.report(false, "first");
+        assert_eq!(full.children.len(), 2);
+        assert_eq!(full.children[0].1.len(), Child::COUNT);
+        assert_eq!(
+            full.totals.len(),
+            Total::COUNT,
+            "cumulative: both clash rows kept"
+        );
+        assert_eq!(full.clashes, None);
+        assert_eq!(
+            Counters::new(1).snapshot().report(true, "error").clashes,
+            None
+        );
+    }
 
     #[test]
     fn intervals_add_up_to_the_total() {
