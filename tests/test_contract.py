@@ -338,4 +338,4 @@ def test_upstream_multiconnector_config_runs_unchanged_under_kvmux():
     children = [scripted(), child("ExampleConnector", shared_storage_path="/tmp/kvmux-ex")]
     up = KVConnectorFactory.create_connector(vllm_config(upstream_config(children)), SCHED, _kvc())
     mine = build(children)
-    assert len(up._connectors) == len(mine.children)
+    assert len(up.sub_connectors) == len(mine.children)

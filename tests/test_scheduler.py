@@ -122,7 +122,7 @@ def test_same_results_as_vllms_multiconnector_on_the_same_children(driver_factor
         for i in range(6):
             d.add(f"r{i}", PROMPT[: 40 + 4 * i])
         d.run()
-        kids = getattr(d.connector, "_connectors", None) or d.connector.children
+        kids = d.connector.sub_connectors  # vLLM's MultiConnector and kvmux alike
         runs.append(
             (
                 d.finished,
