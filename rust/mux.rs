@@ -189,14 +189,6 @@ impl Mux {
         Ok(self)
     }
 
-    pub fn len(&self) -> usize {
-        self.names.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
-    }
-
     /// Child `i`'s name; the multiplexer's own name for `i == len()`.
     pub fn name(&self, i: usize) -> &str {
         self.names.get(i).map_or("kvmux", String::as_str)
@@ -634,10 +626,6 @@ impl Mux {
 
     pub fn snapshot(&self) -> Snapshot {
         self.counters.snapshot()
-    }
-
-    pub fn take_interval(&self) -> Snapshot {
-        self.counters.take_interval()
     }
 
     /// The counters' interval, once `every` has passed since the previous

@@ -45,8 +45,6 @@ class Plan:
     where the child lacks the hook)."""
     active: tuple[tuple[int, Callable[..., Any]], ...]
     """(index, bound hook) of the children that must be called."""
-    indices: tuple[int, ...]
-    """The indices of ``active``."""
 
 
 class Children:
@@ -105,7 +103,7 @@ class Children:
             answers.append(value)
             if not const:
                 active.append((i, fn))
-        plan = Plan(tuple(answers), tuple(active), tuple(i for i, _ in active))
+        plan = Plan(tuple(answers), tuple(active))
         self._plans[hook] = plan
         return plan
 
@@ -121,7 +119,7 @@ class Children:
 
     def active(self, hook: str) -> tuple[int, ...]:
         """Indices of the children whose ``hook`` does something."""
-        return self.plan(hook).indices
+        return tuple(i for i, _ in self.plan(hook).active)
 
     def silent(self, hook: str) -> bool:
         """True when no child is called for ``hook`` and every child's
@@ -144,18 +142,6 @@ class Children:
         for i, fn in plan.active:
             try:
                 out[i] = fn(*args, **kwargs)
-            except Exception as e:
-                raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
-        return out
-
-    def call1(self, hook: str, arg: Any) -> list[Any]:
-        """As :meth:`call` with one positional argument (the per-step
-        hooks): no argument packing per child."""
-        plan = self._plans.get(hook) or self.plan(hook)
-        out = list(plan.answers)
-        for i, fn in plan.active:
-            try:
-                out[i] = fn(arg)
             except Exception as e:
                 raise KvmuxChildError(self.names[i], hook, f"{type(e).__name__}: {e}") from e
         return out

@@ -49,7 +49,7 @@ from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.scheduler import MuxScheduler
+from kvmux.scheduler import CORE_HOOKS, MuxScheduler
 from kvmux.stats import KvmuxStats
 from kvmux.worker import MuxWorker
 
@@ -110,17 +110,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         fast: dict[str, Callable[..., Any]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = MuxScheduler(cfg, self._children, vllm_config)
-            # vLLM's per-request calls go straight into the Rust multiplexer.
+            # vLLM's per-request and per-step calls go straight into the Rust
+            # multiplexer: its methods of the same names (scheduler.CORE_HOOKS).
             mux = self._scheduler.mux
-            fast["get_num_new_matched_tokens"] = mux.get_num_new_matched_tokens
-            fast["update_state_after_alloc"] = mux.update_state_after_alloc
-            fast["request_finished"] = mux.request_finished
-            fast["request_finished_all_groups"] = mux.request_finished_all_groups
-            fast["register_finished_partial_tail"] = mux.register_finished_partial_tail
-            fast["on_new_request"] = mux.on_new_request
-            fast["build_connector_meta"] = mux.build_connector_meta
-            fast["update_connector_output"] = mux.update_connector_output
-            fast["get_kv_connector_stats"] = mux.get_kv_connector_stats
+            fast.update({hook: getattr(mux, hook) for hook in CORE_HOOKS})
             if self._children.silent("take_events"):
                 fast["take_events"] = _no_events
         else:

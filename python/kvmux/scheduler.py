@@ -35,7 +35,8 @@ logger = logging.getLogger("kvmux")
 #: last ones are reported when it ends). vLLM logs every 5-10 s.
 STATS_EVERY_S = 1.0
 
-#: The children's hooks the Rust multiplexer calls itself.
+#: The hooks the Rust multiplexer runs: it calls these of the children, and
+#: its methods of the same names are the scheduler-side connector's.
 CORE_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -80,7 +81,6 @@ class MuxScheduler:
     def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
         self.children = children
         self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=True)
-        self.kv_cache_manager: KVCacheManager | None = None
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -101,5 +101,4 @@ class MuxScheduler:
         return self.children.call_one(chosen, "get_loaded_kv_cache_group_ids", request)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        self.kv_cache_manager = kv_cache_manager
         self.children.each("bind_kv_cache_manager", kv_cache_manager)
