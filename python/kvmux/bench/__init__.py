@@ -1,11 +1,12 @@
 """kvmux's benchmarks against what users would pick instead
 (``python -m kvmux bench``).
 
-Each comparison (P1..P4, and P1h: P1 with the host tier as its one child)
-puts kvmux and its rival side by side in one process, on the same children
-and inputs, built through vLLM's real classes, and reports the ratio of their
-times: on a noisy machine absolute times mean little, ratios measured in one
-run mean a lot. See ``benches/RESULTS.md``.
+Each comparison (P1..P4, P1h: P1 with the host tier as its one child, and
+S1: requests' time to schedule while one child stalls) puts kvmux and its
+rival side by side in one process, on the same children and inputs, built
+through vLLM's real classes, and reports the ratio of their times: on a
+noisy machine absolute times mean little, ratios measured in one run mean a
+lot. See ``benches/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -19,4 +20,5 @@ CASES = {
     "P3": "kvmux.bench.lookup",
     "P4": "kvmux.bench.copies",
     "P1h": "kvmux.bench.host_lifecycle",
+    "S1": "kvmux.bench.stall",
 }

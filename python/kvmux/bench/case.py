@@ -12,7 +12,7 @@ __all__ = ["Case"]
 @dataclass
 class Case:
     key: str
-    """Short id: P1..P4, P1h."""
+    """Short id: P1..P4, P1h, S1."""
     title: str
     kvmux: Callable[[], object]
     """One operation through kvmux."""
@@ -31,6 +31,16 @@ class Case:
     self_timed: bool = False
     """True: ``kvmux`` and ``rival`` return the seconds to count (the part of
     their work being compared), instead of being timed whole."""
+    figures: tuple[str, ...] = ()
+    """Names of several figures one self-timed run reports (S1: ``("p50",
+    "p99")``): ``kvmux`` and ``rival`` then return a dict of seconds by name,
+    and the table has one row per figure (``S1 p50``, ``S1 p99``). Empty: one
+    figure, the time (or the seconds returned)."""
+    repeats: int | None = None
+    """At most this many timed repeats per side unless ``--repeats`` says
+    (None: the bench's default; a case whose repeats take seconds sets fewer)."""
+    warmup: int | None = None
+    """At most this many untimed repeats per side unless ``--warmup`` says."""
     check: Callable[[], None] | None = None
     """Raises if the two sides did not do the same work (run once, untimed)."""
     notes: dict[str, Any] = field(default_factory=dict)

@@ -11,10 +11,15 @@ stand in for children whose own work is not what is being measured.
 - :class:`LayerworkConnector`: a no-op child whose per-layer hooks do the
   bookkeeping a layer-wise connector does (count the layer waited for, note the
   layer saved), so a benchmark of the per-layer path has a child that works.
+- :class:`StallConnector`: a no-op child whose lookups stall: it answers a
+  request "not ready" for ``stall_ms`` of wall time after it was first asked
+  about it, then a miss (a cache server answering slowly), so a benchmark can
+  show what a stalled child costs the requests that ask it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-__all__ = ["LayerworkConnector", "NoopConnector"]
+__all__ = ["LayerworkConnector", "NoopConnector", "StallConnector"]
 
 
 class NoopConnector(KVConnectorBase_V1):
@@ -64,3 +69,35 @@ class LayerworkConnector(NoopConnector):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
         self.last_saved = (layer_name, kv_layer)
+
+
+class StallConnector(NoopConnector):
+    """A no-op connector whose lookup of each request answers "not ready"
+    (``None``) until ``stall_ms`` (``kv_connector_extra_config``, default
+    250) of wall time have passed since its first lookup of that request,
+    then a miss (0 tokens). vLLM's scheduler skips a request whose lookup is
+    not ready and asks again on its next step, so the stall holds the request
+    for as long as its connector keeps asking this child."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.stall_s = float(extra.get("stall_ms", 250)) / 1000
+        self.first_asked: dict[str, float] = {}
+        """Request id -> when it was first looked up (until it finishes)."""
+        self.lookups = 0
+        self.stalled = 0
+        """Lookups answered "not ready"."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        now = time.monotonic()
+        since = self.first_asked.setdefault(request.request_id, now)
+        self.lookups += 1
+        if now - since < self.stall_s:
+            self.stalled += 1
+            return None, False
+        return 0, False
+
+    def request_finished(self, request: Any, block_ids: Any):
+        self.first_asked.pop(request.request_id, None)
+        return False, None

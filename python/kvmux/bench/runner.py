@@ -12,14 +12,25 @@ from typing import Any
 
 from kvmux.bench import CASES
 from kvmux.bench.case import Case
-from kvmux.bench.timing import Progress, Timing, time_pair
+from kvmux.bench.timing import Progress, Timing, time_pairs
 
 __all__ = ["Result", "format_table", "run", "write_json", "write_plot"]
 
 
 class Result:
-    def __init__(self, case: Case, timing: Timing, repeats: int, warmup: int) -> None:
+    """One row of the table: a case's figure (its only one, or one of its
+    ``figures``)."""
+
+    def __init__(
+        self, case: Case, timing: Timing, repeats: int, warmup: int, figure_name: str = ""
+    ) -> None:
         self.case, self.timing, self.repeats, self.warmup = case, timing, repeats, warmup
+        self.figure_name = figure_name
+
+    @property
+    def key(self) -> str:
+        """The row's name: the case's key, and the figure's (``S1 p99``)."""
+        return f"{self.case.key} {self.figure_name}" if self.figure_name else self.case.key
 
     @property
     def figure(self) -> tuple[float, float, float]:
@@ -42,7 +53,9 @@ class Result:
         c, t = self.case, self.timing
         med, q1, q3 = self.figure
         return {
-            "key": c.key,
+            "key": self.key,
+            "case": c.key,
+            "quantity": self.figure_name or None,
             "title": c.title,
             "rival": c.rival_name,
             "unit": c.unit,
@@ -83,17 +96,20 @@ def run(
     progress: Progress | None = None,
 ) -> list[Result]:
     progress = progress or Progress()
-    reps = repeats if repeats is not None else (5 if quick else 25)
-    warm = warmup if warmup is not None else (1 if quick else 3)
+    default_reps = 5 if quick else 25
+    default_warm = 1 if quick else 3
     out = []
     for key in keys:
         t0 = time.monotonic()
         progress.note(f"{key}: setting up")
         case: Case = importlib.import_module(CASES[key]).build(quick)
+        reps = repeats if repeats is not None else min(default_reps, case.repeats or default_reps)
+        warm = warmup if warmup is not None else min(default_warm, case.warmup or default_warm)
         if case.check is not None:
+            progress.note(f"{key}: checking that both sides do the same work")
             case.check()
         progress.note(f"{key}: {case.title}: {warm} warm-up + {reps} repeats x {case.inner}")
-        timing = time_pair(
+        timings = time_pairs(
             case.kvmux,
             case.rival,
             inner=case.inner,
@@ -101,9 +117,14 @@ def run(
             warmup=warm,
             label=key,
             progress=progress,
-            self_timed=case.self_timed,
+            self_timed=case.self_timed or bool(case.figures),
         )
-        out.append(Result(case, timing, reps, warm))
+        if case.figures:
+            if sorted(timings) != sorted(case.figures):
+                raise RuntimeError(f"{key} reported {sorted(timings)}, not {list(case.figures)}")
+            out.extend(Result(case, timings[f], reps, warm, f) for f in case.figures)
+        else:
+            out.append(Result(case, timings[""], reps, warm))
         progress.note(f"{key}: done in {time.monotonic() - t0:.1f} s")
     return out
 
@@ -126,7 +147,7 @@ def format_table(results: Sequence[Result]) -> str:
         med, q1, q3 = r.figure
         rows.append(
             (
-                c.key,
+                r.key,
                 c.title,
                 _fmt_time(t.kvmux_median),
                 f"{100 * t.kvmux_spread:.0f}%",
@@ -146,8 +167,12 @@ def format_table(results: Sequence[Result]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
+    footed = set()
     for r in results:
         c = r.case
+        if c.key in footed:
+            continue
+        footed.add(c.key)
         figure = "rival time / kvmux time" if c.higher_is_better else "kvmux time / rival time"
         lines.append(f"{c.key}: per op = {c.unit}; rival = {c.rival_name}; ratio = {figure}")
     lines.append(
@@ -200,7 +225,7 @@ def write_plot(path: str | Path, results: Sequence[Result]) -> None:
         med, q1, q3 = r.figure
         y = len(results) - 1 - i
         ys.append(y)
-        labels.append(f"{c.key} vs {c.rival_name}\n{c.title}")
+        labels.append(f"{r.key} vs {c.rival_name}\n{c.title}")
         color = {None: "tab:blue", True: "tab:green", False: "tab:red"}[r.met]
         ax.barh(y, med, xerr=[[med - q1], [q3 - med]], color=color)
         if c.target is not None:
@@ -208,7 +233,7 @@ def write_plot(path: str | Path, results: Sequence[Result]) -> None:
         ax.text(med, y, f"  {med:.3f}", va="center")
     ax.set_yticks(ys, labels, fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("ratio (P1-P3, P1h: kvmux/rival, lower is better; P4: fraction of the limit)")
+    ax.set_xlabel("ratio (P1-P3, P1h, S1: kvmux/rival, lower is better; P4: fraction of the limit)")
     ax.set_title("kvmux vs rivals, same run (dashed: target)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Progress", "Timing", "time_pair"]
+__all__ = ["Progress", "Timing", "time_pair", "time_pairs"]
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float, float]:
@@ -84,13 +84,17 @@ class Progress:
             print(text, file=sys.stderr, flush=True)
 
 
-def _run(fn: Callable[[], object], inner: int, self_timed: bool = False) -> float:
-    if self_timed:  # fn returns the seconds that count
-        return sum(float(fn()) for _ in range(inner)) / inner  # type: ignore[arg-type]
+def _run(fn: Callable[[], object], inner: int, self_timed: bool = False) -> dict[str, float]:
+    """Seconds per call by figure name ("" when ``fn`` reports one)."""
+    if self_timed:  # fn returns the seconds that count, or a dict of them
+        outs = [fn() for _ in range(inner)]
+        if isinstance(outs[0], dict):
+            return {k: sum(float(o[k]) for o in outs) / inner for k in outs[0]}  # type: ignore[index]
+        return {"": sum(float(o) for o in outs) / inner}  # type: ignore[arg-type]
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) / inner
+    return {"": (time.perf_counter() - t0) / inner}
 
 
 def time_pair(
@@ -108,21 +112,52 @@ def time_pair(
     goes first, after ``warmup`` untimed repeats of both. The garbage
     collector is off while timing (as in ``timeit``). ``self_timed``: each
     call returns the seconds that count."""
+    return time_pairs(
+        kvmux,
+        rival,
+        inner=inner,
+        repeats=repeats,
+        warmup=warmup,
+        label=label,
+        progress=progress,
+        self_timed=self_timed,
+    )[""]
+
+
+def time_pairs(
+    kvmux: Callable[[], object],
+    rival: Callable[[], object],
+    *,
+    inner: int,
+    repeats: int,
+    warmup: int,
+    label: str = "",
+    progress: Progress | None = None,
+    self_timed: bool = False,
+) -> dict[str, Timing]:
+    """:func:`time_pair` for self-timed functions that may report several
+    figures per call (a dict of seconds by name): one :class:`Timing` per
+    figure, from the same repeats (``""``: the one figure of a plain call)."""
     for _ in range(warmup):
         _run(kvmux, inner, self_timed)
         _run(rival, inner, self_timed)
-    out = Timing([], [])
+    out: dict[str, Timing] = {}
+
+    def add(side: str, got: dict[str, float]) -> None:
+        for name, secs in got.items():
+            getattr(out.setdefault(name, Timing([], [])), side).append(secs)
+
     gc_was_on = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         for r in range(repeats):
             if r % 2:
-                out.rival.append(_run(rival, inner, self_timed))
-                out.kvmux.append(_run(kvmux, inner, self_timed))
+                add("rival", _run(rival, inner, self_timed))
+                add("kvmux", _run(kvmux, inner, self_timed))
             else:
-                out.kvmux.append(_run(kvmux, inner, self_timed))
-                out.rival.append(_run(rival, inner, self_timed))
+                add("kvmux", _run(kvmux, inner, self_timed))
+                add("rival", _run(rival, inner, self_timed))
             if progress is not None:
                 progress.tick(label, r + 1, repeats)
     finally:

@@ -3,8 +3,9 @@ run: P1 the scheduler-side request lifecycle (P1h: with the host tier as the
 one child, doing real work) and P2 the worker's per-layer hooks against
 vLLM's MultiConnector over the same children, P3 the host
 tier's prefix lookup against vLLM's SimpleCPUOffloadConnector, P4 the host
-tier's copies against a plain contiguous torch copy. Prints median, spread
-and ratio per comparison."""
+tier's copies against a plain contiguous torch copy, S1 requests' time to
+schedule (p50, p99) while one child stalls, kvmux's lookup deadline against
+MultiConnector. Prints median, spread and ratio per comparison."""
 
 from __future__ import annotations
 
