@@ -13,16 +13,16 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
 
 use std::sync::{Mutex, MutexGuard};
 
 use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
+use crate::breaker::{BreakerConfig, State, Transition};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{ClashPolicy, ValueEq};
 use crate::mux::{hook, ChildFinish, Contained, FinishedParams, Mux, Params, EXTRA_KEY};
 use crate::requests::{ChildMatch, LoadPolicy, MAX_CHILDREN};
-use crate::saves::SaveCountdown;
 use crate::stats::{Snapshot, CHILD_NAMES, TOTAL_NAMES};
 
 // ------------------------------------------------------------------ errors
@@ -298,7 +298,7 @@ impl PyFanout {
 /// The Python objects the per-step hooks hand back to vLLM, and how often
 /// the counters are reported.
 struct Glue {
-    /// `KvmuxMetadata(children, extra_async_saves, dropped_saves)`.
+    /// `KvmuxMetadata(children, saves, loads)`.
     metadata: Py<PyAny>,
     /// `KvmuxWorkerMetadata`, the type the workers' metadata must have.
     worker_metadata: Py<PyType>,
@@ -368,30 +368,27 @@ impl PyMux {
     /// `(extra async completions by request, children whose completions to
     /// drop by request)`, each None when empty.
     #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity)]
     fn take_outbox<'py>(
         &self,
         py: Python<'py>,
     ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
         let out = self.core.take_outbox();
-        let extra = if out.extra_async_saves.is_empty() {
+        let saves = if out.saves.is_empty() {
             None
         } else {
             let d = PyDict::new(py);
-            for (req, n) in out.extra_async_saves {
-                d.set_item(req, n)?;
+            for (req, (children, need)) in out.saves {
+                d.set_item(req, (children, need))?;
             }
             Some(d)
         };
-        let dropped = if out.dropped_saves.is_empty() {
+        let loads = if out.loads.is_empty() {
             None
         } else {
-            let d = PyDict::new(py);
-            for (req, children) in out.dropped_saves {
-                d.set_item(req, PyTuple::new(py, children)?)?;
-            }
-            Some(d)
+            Some(out.loads.into_py_dict(py)?)
         };
-        Ok((extra, dropped))
+        Ok((saves, loads))
     }
 
     fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
@@ -453,6 +450,10 @@ impl PyMux {
 
     fn log_contained(&self, py: Python<'_>, req_id: &str, contained: &[Contained<PyErr>]) {
         for c in contained {
+            if c.hook == hook::LOOKUP {
+                self.log_lookup_error(py, req_id, c);
+                continue;
+            }
             let level = if c.first { 30 } else { 10 };
             let suffix = if c.first {
                 " (warned once per child; later ones at debug level)"
@@ -473,6 +474,66 @@ impl PyMux {
                     fault_detail(py, c.hook, &c.fault),
                 ),
             );
+        }
+    }
+
+    fn log_lookup_error(&self, py: Python<'_>, req_id: &str, c: &Contained<PyErr>) {
+        let (level, suffix) = if c.first {
+            (30, " (warned once per child; later ones at debug level)")
+        } else {
+            (10, "")
+        };
+        let _ = self.logger.bind(py).call_method1(
+            intern!(py, "log"),
+            (
+                level,
+                "kvmux: child %r failed in %s for request %r; contained as a miss (the \
+                 request goes on without it), counted in its lookup_errors and its \
+                 breaker%s. Cause: %s",
+                self.core.name(c.child),
+                c.hook,
+                req_id,
+                suffix,
+                fault_detail(py, c.hook, &c.fault),
+            ),
+        );
+    }
+
+    /// Each breaker transition, logged once: opening as a warning, the
+    /// probe and closing as info.
+    fn log_transitions(&self, py: Python<'_>, transitions: Vec<Transition>) {
+        let logger = self.logger.bind(py);
+        for t in transitions {
+            let name = self.core.name(t.child);
+            let _ = match t.to {
+                State::Open => logger.call_method1(
+                    intern!(py, "warning"),
+                    (
+                        "kvmux: breaker of child %r opened after %d failed lookup(s) \
+                         (deadline missed or raised); it is not asked for %.1f s, then one \
+                         request probes it (breaker_failures, breaker_cooldown_ms)",
+                        name,
+                        t.failures,
+                        t.cooldown.map_or(0.0, |d| d.as_secs_f64()),
+                    ),
+                ),
+                State::HalfOpen => logger.call_method1(
+                    intern!(py, "info"),
+                    (
+                        "kvmux: breaker of child %r half open: request %r probes it",
+                        name,
+                        t.probe.unwrap_or_default(),
+                    ),
+                ),
+                State::Closed => logger.call_method1(
+                    intern!(py, "info"),
+                    (
+                        "kvmux: breaker of child %r closed: its probe was answered; it is \
+                         asked again",
+                        name,
+                    ),
+                ),
+            };
         }
     }
 
@@ -552,6 +613,28 @@ impl PyMux {
         Ok((done.async_save, params))
     }
 
+    fn complete<'py>(
+        &self,
+        py: Python<'py>,
+        per_child: &Bound<'py, PyAny>,
+        done: impl Fn(usize, &str) -> bool,
+    ) -> PyResult<Bound<'py, PySet>> {
+        let out = PySet::empty(py)?;
+        for (i, ids) in per_child.try_iter()?.enumerate() {
+            let ids = ids?;
+            if ids.is_none() {
+                continue;
+            }
+            for id in ids.try_iter()? {
+                let id = id?.cast_into::<PyString>()?;
+                if done(i, id.to_str()?) {
+                    out.add(id)?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Counters as a dict; `sparse` drops zeros and folds the clash counters
     /// into `{"clashes": {policy: n}}`.
     fn counters_dict<'py>(
@@ -592,7 +675,7 @@ impl PyMux {
     /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
     /// cache manager.
     #[new]
-    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None))]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None, breakers = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -606,6 +689,7 @@ impl PyMux {
         hma_fix: String,
         glue: Option<&Bound<'_, PyDict>>,
         lookup_timeouts_ms: Option<Vec<Option<f64>>>,
+        breakers: Option<Vec<Option<(u32, f64, f64)>>>,
     ) -> PyResult<Self> {
         let n = names.len();
         let glue = glue
@@ -628,15 +712,25 @@ impl PyMux {
             .transpose()?;
         let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
         let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
+        let ms = |what: &str, ms: f64| {
+            std::time::Duration::try_from_secs_f64(ms / 1000.0).map_err(|_| {
+                PyValueError::new_err(format!("{what} must be >= 0 milliseconds, got {ms}"))
+            })
+        };
         let deadlines = lookup_timeouts_ms
             .unwrap_or_else(|| vec![None; n])
             .into_iter()
-            .map(|ms| {
-                ms.map(|ms| {
-                    std::time::Duration::try_from_secs_f64(ms / 1000.0).map_err(|_| {
-                        PyValueError::new_err(format!(
-                            "lookup_timeouts_ms must be >= 0 milliseconds, got {ms}"
-                        ))
+            .map(|t| t.map(|t| ms("lookup_timeouts_ms", t)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
+        let breakers = breakers
+            .unwrap_or_else(|| vec![None; n])
+            .into_iter()
+            .map(|b| {
+                b.map(|(failures, cooldown, max)| -> PyResult<BreakerConfig> {
+                    Ok(BreakerConfig {
+                        failures,
+                        cooldown: ms("breaker_cooldown_ms", cooldown)?,
+                        max_cooldown: ms("breaker_max_cooldown_ms", max)?,
                     })
                 })
                 .transpose()
@@ -644,6 +738,7 @@ impl PyMux {
             .collect::<PyResult<Vec<_>>>()?;
         let core = Mux::new(names, clash, load, block_size)
             .and_then(|m| m.with_lookup_deadlines(deadlines))
+            .and_then(|m| m.with_breakers(breakers))
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         if hma.len() != n {
             return Err(PyValueError::new_err(format!(
@@ -707,7 +802,9 @@ impl PyMux {
     /// vLLM's `get_num_new_matched_tokens`: every child asked (those whose
     /// answer is constant are not called), the loading child chosen by the
     /// load policy and remembered. A child failing raises `KvmuxChildError`
-    /// naming it, and the request's state is dropped.
+    /// naming it, and the request's state is dropped; but a child with a
+    /// breaker that raises is a miss for the request, logged (once loudly)
+    /// and counted. Breaker transitions are logged here, once each.
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
@@ -715,9 +812,10 @@ impl PyMux {
         num_computed_tokens: u64,
     ) -> PyResult<(Option<u64>, bool)> {
         let rid = request_id(request)?;
+        let req_id = rid.to_str()?;
         let got = self
             .core
-            .lookup(rid.to_str()?, num_computed_tokens, |i| {
+            .lookup(req_id, num_computed_tokens, |i| {
                 self.lookup.answer(
                     py,
                     i,
@@ -726,6 +824,13 @@ impl PyMux {
                 )
             })
             .map_err(|e| self.error(py, e))?;
+        if !got.contained.is_empty() {
+            self.log_contained(py, req_id, &got.contained);
+        }
+        let transitions = self.core.take_breaker_transitions();
+        if !transitions.is_empty() {
+            self.log_transitions(py, transitions);
+        }
         Ok((got.tokens, got.load_async))
     }
 
@@ -871,10 +976,10 @@ impl PyMux {
             .build_meta
             .answers(py, |f| f.call1((scheduler_output,)))
             .map_err(|e| self.child_error(py, hook::BUILD_META, e))?;
-        let (extra, dropped) = self.take_outbox(py)?;
+        let (saves, loads) = self.take_outbox(py)?;
         glue.metadata
             .bind(py)
-            .call1((PyTuple::new(py, metas)?, extra, dropped))
+            .call1((PyTuple::new(py, metas)?, saves, loads))
     }
 
     /// vLLM's `update_connector_output`: loads the workers report failed
@@ -943,10 +1048,21 @@ impl PyMux {
             .child_stats
             .answers(py, |f| f.call0())
             .map_err(|e| self.child_error(py, hook::STATS, e))?;
-        let counters = match self.core.take_interval_every(glue.stats_every) {
+        let mut counters = match self.core.take_interval_every(glue.stats_every) {
             Some(delta) if !delta.is_zero() => Some(self.counters_dict(py, &delta, true)?),
             _ => None,
         };
+        // A breaker changed state: its gauge is reported now.
+        if let Some(states) = self.core.take_breaker_changes() {
+            let gauge = PyDict::new(py);
+            for (i, state) in states.into_iter().enumerate() {
+                if let Some(state) = state {
+                    gauge.set_item(self.core.name(i), state.gauge())?;
+                }
+            }
+            let out = counters.get_or_insert_with(|| PyDict::new(py));
+            out.set_item(intern!(py, "breaker_state"), gauge)?;
+        }
         if counters.is_none() && stats.iter().all(|s| s.is_none()) {
             return Ok(None);
         }
@@ -962,9 +1078,70 @@ impl PyMux {
         self.core.chosen(req_id)
     }
 
-    /// Worker side: requests reported finished sending, blocks failed to load.
-    fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
-        self.core.count_worker(finished_sending, load_failed_blocks);
+    /// Worker side: the completions the scheduler side announced in its
+    /// metadata (`saves`: request id -> (bit set of the saving children,
+    /// completions needed); `loads`: request id -> the loading child).
+    #[pyo3(signature = (saves = None, loads = None))]
+    fn expect(
+        &self,
+        saves: Option<&Bound<'_, PyDict>>,
+        loads: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        let mut s = Vec::new();
+        for (k, v) in saves.into_iter().flat_map(|d| d.iter()) {
+            let (children, need): (u64, u32) = v.extract()?;
+            s.push((k.cast_into::<PyString>()?, children, need));
+        }
+        let mut l = Vec::new();
+        for (k, v) in loads.into_iter().flat_map(|d| d.iter()) {
+            l.push((k.cast_into::<PyString>()?, v.extract::<usize>()?));
+        }
+        let s = s
+            .iter()
+            .map(|(k, c, n)| Ok((k.to_str()?, *c, *n)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let l = l
+            .iter()
+            .map(|(k, c)| Ok((k.to_str()?, *c)))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.core.expect(&s, &l);
+        Ok(())
+    }
+
+    /// Worker side: each child's finished-sending ids of one step (None or
+    /// an iterable of ids per child, in config order) -> the requests
+    /// finished sending now; completions a child did not owe are dropped.
+    fn complete_sends<'py>(
+        &self,
+        py: Python<'py>,
+        per_child: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PySet>> {
+        self.complete(py, per_child, |i, id| self.core.sent(i, id))
+    }
+
+    /// Worker side: the same for finished (or failed) receiving: the ids of
+    /// the child that loads each request pass, the others are dropped.
+    fn complete_recvs<'py>(
+        &self,
+        py: Python<'py>,
+        per_child: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PySet>> {
+        self.complete(py, per_child, |i, id| self.core.received(i, id))
+    }
+
+    /// Worker side: requests still waiting for async-save completions.
+    fn pending_sends(&self) -> usize {
+        self.core.pending_sends()
+    }
+
+    /// Worker side: requests still waiting for an async load's completion.
+    fn pending_recvs(&self) -> usize {
+        self.core.pending_recvs()
+    }
+
+    /// Worker side: blocks children failed to load.
+    fn count_load_failures(&self, blocks: u64) {
+        self.core.count_load_failures(blocks);
     }
 
     /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
@@ -972,6 +1149,13 @@ impl PyMux {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = self.counters_dict(py, &self.core.snapshot(), false)?;
         out.set_item("live_requests", self.core.live_requests())?;
+        let breakers = PyDict::new(py);
+        for i in 0..self.core.n_children() {
+            if let Some(state) = self.core.breaker(i) {
+                breakers.set_item(self.core.name(i), state.as_str())?;
+            }
+        }
+        out.set_item("breakers", breakers)?;
         Ok(out)
     }
 
@@ -998,53 +1182,6 @@ impl PyMux {
     /// Requests the multiplexer holds state for.
     fn __len__(&self) -> usize {
         self.core.live_requests()
-    }
-}
-
-/// Worker-side countdown of async saves (see `saves.rs`).
-#[pyclass(frozen, name = "SaveCountdown", module = "kvmux._core")]
-pub struct PySaveCountdown {
-    inner: SaveCountdown,
-}
-
-#[pymethods]
-impl PySaveCountdown {
-    #[new]
-    fn new() -> Self {
-        Self {
-            inner: SaveCountdown::new(),
-        }
-    }
-
-    /// Record `{req_id: extra completions}` from the scheduler's metadata.
-    fn expect(&self, extra: &Bound<'_, PyDict>) -> PyResult<()> {
-        for (k, v) in extra.iter() {
-            let id = k.cast::<PyString>()?;
-            self.inner.expect(id.to_str()?, v.extract()?);
-        }
-        Ok(())
-    }
-
-    /// Every child's finished-sending ids of one step (repeats allowed):
-    /// the set of ids finished sending now.
-    fn complete<'py>(
-        &self,
-        py: Python<'py>,
-        ids: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, pyo3::types::PySet>> {
-        let out = pyo3::types::PySet::empty(py)?;
-        for id in ids.try_iter()? {
-            let id = id?;
-            let s = id.cast::<PyString>()?;
-            if self.inner.complete(s.to_str()?) {
-                out.add(id)?;
-            }
-        }
-        Ok(out)
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.len()
     }
 }
 
@@ -1286,7 +1423,6 @@ fn py_chain_token_hashes<'py>(
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyMux>()?;
     m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
-    m.add_class::<PySaveCountdown>()?;
     m.add_class::<PyHostIndex>()?;
     m.add_class::<PyServablePrefix>()?;
     m.add_class::<PyReservation>()?;

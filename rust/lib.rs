@@ -5,11 +5,12 @@
 #![forbid(unsafe_code)]
 
 pub mod block_index;
+pub mod breaker;
+pub mod completions;
 pub mod error;
 pub mod merge;
 pub mod mux;
 pub mod requests;
-pub mod saves;
 pub mod stats;
 
 #[cfg(feature = "python")]

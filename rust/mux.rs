@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use dashmap::{DashMap, DashSet};
 
+use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
+use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
 use crate::requests::{ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN};
@@ -86,6 +88,21 @@ pub struct Contained<E> {
     pub fault: ChildFault<E>,
 }
 
+/// The multiplexer's answer to a lookup (it reads as the [`Lookup`]).
+#[derive(Debug)]
+pub struct Looked<E> {
+    pub lookup: Lookup,
+    /// Lookup failures contained as misses (children with a breaker).
+    pub contained: Vec<Contained<E>>,
+}
+
+impl<E> std::ops::Deref for Looked<E> {
+    type Target = Lookup;
+    fn deref(&self) -> &Lookup {
+        &self.lookup
+    }
+}
+
 /// The multiplexer's answer to a finish hook.
 #[derive(Debug)]
 pub struct Finished<P, V, E> {
@@ -96,24 +113,25 @@ pub struct Finished<P, V, E> {
     pub contained: Vec<Contained<E>>,
 }
 
-/// What the scheduler side sends its workers with the next step's metadata.
+/// What the scheduler side sends its workers with the next step's metadata
+/// (see [`crate::completions`]).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Outbox {
-    /// Request id -> completions beyond the first the workers wait for (k - 1
-    /// when k children save the request asynchronously).
-    pub extra_async_saves: HashMap<String, u32>,
-    /// Request id -> children whose completions of it the workers drop
-    /// (their failure on it was contained, so vLLM was not told to wait).
-    pub dropped_saves: HashMap<String, Vec<usize>>,
+    /// Finished requests saved asynchronously -> (bit set of the children
+    /// that save it, how many of their completions the workers wait for).
+    pub saves: HashMap<String, (u64, u32)>,
+    /// Requests loading asynchronously -> the child that loads.
+    pub loads: HashMap<String, usize>,
 }
 
 impl Outbox {
     pub fn is_empty(&self) -> bool {
-        self.extra_async_saves.is_empty() && self.dropped_saves.is_empty()
+        self.saves.is_empty() && self.loads.is_empty()
     }
 }
 
-/// The scheduler-side multiplexer of `n` children.
+/// The multiplexer of `n` children. The scheduler side runs its rules; a
+/// worker's only counts and tracks completions.
 #[derive(Debug)]
 pub struct Mux {
     names: Vec<String>,
@@ -132,6 +150,11 @@ pub struct Mux {
     /// Per child: how long a lookup may stay "not ready" (None: forever).
     deadlines: Vec<Option<Duration>>,
     any_deadline: bool,
+    breakers: Breakers,
+    /// Bit i: child i's contained lookup error was logged loudly once.
+    warned_lookup: AtomicU64,
+    /// Worker side: the completions it waits for.
+    completions: Completions,
 }
 
 impl Mux {
@@ -153,6 +176,7 @@ impl Mux {
         }
         Ok(Self {
             counters: Counters::new(names.len()),
+            breakers: Breakers::new(vec![None; names.len()]),
             names,
             clash,
             load,
@@ -165,6 +189,8 @@ impl Mux {
             n_watched: AtomicUsize::new(0),
             deadlines: Vec::new(),
             any_deadline: false,
+            warned_lookup: AtomicU64::new(0),
+            completions: Completions::new(),
         })
     }
 
@@ -189,7 +215,56 @@ impl Mux {
         Ok(self)
     }
 
-    /// Child `i`'s name; the multiplexer's own name for `i == len()`.
+    /// Give child i the circuit breaker `breakers[i]` (see
+    /// [`crate::breaker`]): its failed lookups (deadline missed, or raised:
+    /// then contained as a miss instead of failing the call) open it, and
+    /// while it is open the child is a miss, not asked, for every request
+    /// but the probe. It still gets every other hook.
+    pub fn with_breakers<E>(
+        mut self,
+        breakers: Vec<Option<BreakerConfig>>,
+    ) -> Result<Self, MuxError<E>> {
+        if breakers.len() != self.names.len() {
+            return Err(MuxError::Config(format!(
+                "one breaker setting per child ({}), got {}",
+                self.names.len(),
+                breakers.len()
+            )));
+        }
+        if let Some(bad) = breakers
+            .iter()
+            .flatten()
+            .find(|b| b.failures == 0 || b.cooldown.is_zero() || b.max_cooldown < b.cooldown)
+        {
+            return Err(MuxError::Config(format!(
+                "a breaker needs failures >= 1 and 0 < cooldown <= max_cooldown, got {bad:?}"
+            )));
+        }
+        self.breakers = Breakers::new(breakers);
+        Ok(self)
+    }
+
+    /// Child i's breaker state (None: it has no breaker).
+    pub fn breaker(&self, i: usize) -> Option<State> {
+        self.breakers.state(i)
+    }
+
+    /// Breaker transitions since the previous take, oldest first (to log).
+    pub fn take_breaker_transitions(&self) -> Vec<Transition> {
+        self.breakers.take_transitions()
+    }
+
+    /// Every child's breaker state when one changed since the previous call.
+    pub fn take_breaker_changes(&self) -> Option<Vec<Option<State>>> {
+        self.breakers.take_changed()
+    }
+
+    /// How many children it multiplexes.
+    pub fn n_children(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Child `i`'s name; the multiplexer's own name for `i == n_children()`.
     pub fn name(&self, i: usize) -> &str {
         self.names.get(i).map_or("kvmux", String::as_str)
     }
@@ -206,7 +281,14 @@ impl Mux {
     /// Drop a request's state without counting it finished. True if there was.
     pub fn forget(&self, req_id: &str) -> bool {
         self.unwatch(req_id);
+        self.release_probe(req_id);
         self.table.finish(req_id).is_some()
+    }
+
+    fn release_probe(&self, req_id: &str) {
+        if self.breakers.any_tripped() {
+            self.breakers.release(req_id);
+        }
     }
 
     /// The child chosen to load a request, if any.
@@ -217,14 +299,19 @@ impl Mux {
     /// `get_num_new_matched_tokens`: every child's answer (`ask(i)`) in, the
     /// multiplexer's out. The loading child is chosen by the load policy and
     /// remembered; a lookup that is not ready keeps the earlier choice; every
-    /// child takes part. A failing or malformed answer drops the request's
-    /// state and names the child.
+    /// child takes part.
+    ///
+    /// A child is out of the request's lookups (a miss, not asked again)
+    /// once it missed its deadline, raised while it has a breaker (the
+    /// failure is returned, contained, for the caller to log), or was
+    /// skipped by its open breaker. Any other failing or malformed answer
+    /// drops the request's state and names the child.
     pub fn lookup<E>(
         &self,
         req_id: &str,
         num_computed_tokens: u64,
         mut ask: impl FnMut(usize) -> Result<ChildMatch, ChildFault<E>>,
-    ) -> Result<Lookup, MuxError<E>> {
+    ) -> Result<Looked<E>, MuxError<E>> {
         let n = self.names.len();
         // On the stack for the usual handful of children.
         const INLINE: usize = 8;
@@ -240,23 +327,37 @@ impl Mux {
             heap.resize(n, unset);
             &mut heap
         };
-        // Lookup deadlines: when the request was first looked up, and the
-        // children that already missed theirs (not asked again).
-        let (now, since, mut timed_out) = if self.any_deadline {
-            let now = Instant::now();
-            let prev = self.table.get(req_id);
-            let since = prev.and_then(|s| s.first_lookup).unwrap_or(now);
-            (Some(now), Some(since), prev.map_or(0, |s| s.timed_out))
-        } else {
-            (None, None, 0)
-        };
+        // Children already out of this request's lookups, and when it was
+        // first looked up (for deadlines); read only when either can matter.
+        let (now, since, mut excluded) =
+            if self.any_deadline || self.breakers.any_tripped() || self.table.any_excluded() {
+                let prev = self.table.get(req_id);
+                let excluded = prev.map_or(0, |s| s.excluded);
+                if self.any_deadline {
+                    let now = Instant::now();
+                    let since = prev.and_then(|s| s.first_lookup).unwrap_or(now);
+                    (Some(now), Some(since), excluded)
+                } else {
+                    (None, None, excluded)
+                }
+            } else {
+                (None, None, 0)
+            };
         let miss = ChildMatch {
             tokens: Some(0),
             load_async: false,
         };
+        let mut contained = Vec::new();
         for (i, slot) in matches.iter_mut().enumerate() {
-            if timed_out & (1u64 << i) != 0 {
+            let bit = 1u64 << i;
+            if excluded & bit != 0 {
                 *slot = miss;
+                continue;
+            }
+            if !self.breakers.admit(i, req_id) {
+                *slot = miss;
+                excluded |= bit;
+                self.counters.child(i, Child::BreakerSkips, 1);
                 continue;
             }
             let got = ask(i).and_then(|m| {
@@ -269,7 +370,24 @@ impl Mux {
                 }
             });
             match got {
-                Ok(m) => *slot = m,
+                Ok(m) => {
+                    *slot = m;
+                    if m.tokens.is_some() {
+                        self.breakers.record(i, req_id, Outcome::Answered);
+                    }
+                }
+                Err(fault @ ChildFault::Raised(_)) if self.breakers.has(i) => {
+                    *slot = miss;
+                    excluded |= bit;
+                    self.counters.child(i, Child::LookupErrors, 1);
+                    self.failed(i, req_id);
+                    contained.push(Contained {
+                        child: i,
+                        hook: hook::LOOKUP,
+                        first: self.warned_lookup.fetch_or(bit, Relaxed) & bit == 0,
+                        fault,
+                    });
+                }
                 Err(fault) => {
                     self.forget(req_id);
                     return Err(MuxError::child(i, hook::LOOKUP, fault));
@@ -281,8 +399,9 @@ impl Mux {
                 let late = self.deadlines[i].is_some_and(|d| now.duration_since(since) >= d);
                 if slot.tokens.is_none() && late {
                     *slot = miss;
-                    timed_out |= 1u64 << i;
+                    excluded |= 1u64 << i;
                     self.counters.child(i, Child::LookupTimeouts, 1);
+                    self.failed(i, req_id);
                 }
             }
         }
@@ -293,7 +412,7 @@ impl Mux {
             self.load,
             matches,
             since,
-            timed_out,
+            excluded,
         );
         if got.tokens.is_some() {
             for (i, m) in matches.iter().enumerate() {
@@ -305,7 +424,17 @@ impl Mux {
                 }
             }
         }
-        Ok(got)
+        Ok(Looked {
+            lookup: got,
+            contained,
+        })
+    }
+
+    /// Child i failed a lookup of `req_id`: tell its breaker.
+    fn failed(&self, i: usize, req_id: &str) {
+        if self.breakers.record(i, req_id, Outcome::Failed) {
+            self.counters.child(i, Child::BreakerOpens, 1);
+        }
     }
 
     /// `update_state_after_alloc`: the chosen child is told
@@ -321,8 +450,12 @@ impl Mux {
         mut tell: impl FnMut(usize, u64) -> Result<(), ChildFault<E>>,
     ) -> Result<Option<usize>, MuxError<E>> {
         let n = self.names.len();
-        let chosen = self.table.allocated(req_id, n, num_external_tokens);
-        if let Some(i) = chosen {
+        let planned = self.table.allocated(req_id, n, num_external_tokens);
+        let chosen = planned.map(|(i, _)| i);
+        if let Some((i, load_async)) = planned {
+            if load_async {
+                self.lock_outbox().loads.insert(req_id.to_owned(), i);
+            }
             self.counters.child(i, Child::Loads, 1);
             self.counters
                 .child(i, Child::LoadTokens, num_external_tokens);
@@ -384,20 +517,17 @@ impl Mux {
             params: None,
         };
         let (answers, contained) = self.call_on_exit(req_id, &hooks, default, call)?;
-        if !contained.is_empty() {
-            let children = contained.iter().map(|c| c.child).collect();
-            self.lock_outbox()
-                .dropped_saves
-                .insert(req_id.to_owned(), children);
-        }
+        self.release_probe(req_id);
         let seen = self.table.finish(req_id);
         let state = seen.unwrap_or_default();
         self.counters.total(Total::Finished, 1);
         let mut n_async = 0u32;
+        let mut savers = 0u64;
         let mut sources: Vec<(usize, P)> = Vec::new();
         for (i, ans) in answers.into_iter().enumerate() {
             if ans.async_save {
                 n_async += 1;
+                savers |= 1u64 << i;
                 self.counters.child(i, Child::AsyncSaves, 1);
             }
             if let Some(p) = ans.params {
@@ -412,17 +542,13 @@ impl Mux {
                 own(state.loaded_tokens).map_err(MuxError::Host)?,
             ));
         }
-        let extra = if seen.is_some() {
-            n_async.saturating_sub(1)
-        } else {
-            0
-        };
-        if extra > 0 {
+        if n_async > 0 {
+            let need = if seen.is_some() { n_async } else { 1 };
             self.counters
-                .total(Total::ExtraAsyncSaves, u64::from(extra));
+                .total(Total::ExtraAsyncSaves, u64::from(need - 1));
             self.lock_outbox()
-                .extra_async_saves
-                .insert(req_id.to_owned(), extra);
+                .saves
+                .insert(req_id.to_owned(), (savers, need));
         }
         let (params, new_clashes) = match sources.len() {
             0 => (None, Vec::new()),
@@ -616,12 +742,66 @@ impl Mux {
         hit.len()
     }
 
-    /// Worker side: requests reported finished sending, blocks failed to load.
-    pub fn count_worker(&self, finished_sending: u64, load_failed_blocks: u64) {
-        self.counters
-            .total(Total::FinishedSending, finished_sending);
-        self.counters
-            .total(Total::LoadFailedBlocks, load_failed_blocks);
+    /// Worker side: what the scheduler side announced (an [`Outbox`]).
+    pub fn expect(&self, saves: &[(&str, u64, u32)], loads: &[(&str, usize)]) {
+        for &(req_id, children, need) in saves {
+            self.completions.expect_send(req_id, children, need);
+        }
+        for &(req_id, child) in loads {
+            self.completions.expect_recv(req_id, child);
+        }
+    }
+
+    /// Worker side: child i reported `req_id` finished sending. True when
+    /// the request is finished sending now (every saver reported); a
+    /// completion the child did not owe is dropped and counted.
+    pub fn sent(&self, i: usize, req_id: &str) -> bool {
+        match self.completions.sent(i, req_id) {
+            Verdict::Done => {
+                self.counters.child(i, Child::SaveCompletions, 1);
+                self.counters.total(Total::FinishedSending, 1);
+                true
+            }
+            Verdict::Waiting => {
+                self.counters.child(i, Child::SaveCompletions, 1);
+                false
+            }
+            Verdict::Stray => {
+                self.counters.child(i, Child::StrayCompletions, 1);
+                false
+            }
+        }
+    }
+
+    /// Worker side: child i reported `req_id` finished (or failed)
+    /// receiving. True when it is the child that loads the request; a
+    /// completion it did not owe is dropped and counted.
+    pub fn received(&self, i: usize, req_id: &str) -> bool {
+        match self.completions.received(i, req_id) {
+            Verdict::Stray => {
+                self.counters.child(i, Child::StrayCompletions, 1);
+                false
+            }
+            _ => {
+                self.counters.child(i, Child::LoadCompletions, 1);
+                true
+            }
+        }
+    }
+
+    /// Worker side: requests still waiting for send completions.
+    pub fn pending_sends(&self) -> usize {
+        self.completions.pending_sends()
+    }
+
+    /// Worker side: requests still waiting for their load's completion.
+    pub fn pending_recvs(&self) -> usize {
+        self.completions.pending_recvs()
+    }
+
+    /// Worker side: blocks children failed to load.
+    pub fn count_load_failures(&self, blocks: u64) {
+        self.counters.total(Total::LoadFailedBlocks, blocks);
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -789,6 +969,168 @@ mod tests {
         )
         .unwrap();
         assert_eq!(finished, [0, 1]);
+    }
+
+    fn with_breaker(failures: u32, cooldown_ms: u64, deadline: Option<Duration>) -> Mux {
+        let cfg = BreakerConfig {
+            failures,
+            cooldown: Duration::from_millis(cooldown_ms),
+            max_cooldown: Duration::from_millis(cooldown_ms * 8),
+        };
+        with_deadlines(vec![deadline, None])
+            .with_breakers::<String>(vec![Some(cfg), None])
+            .unwrap()
+    }
+
+    fn raised() -> R<ChildMatch> {
+        Err(ChildFault::Raised("server gone".into()))
+    }
+
+    fn count(m: &Mux, i: usize, c: Child) -> u64 {
+        m.snapshot().children[i][c as usize]
+    }
+
+    #[test]
+    fn a_raising_child_with_a_breaker_is_a_contained_miss_for_that_request() {
+        let m = with_breaker(5, 1000, None);
+        let got = m
+            .lookup("r", 0, |i| if i == 0 { raised() } else { hit(32) })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
+        assert_eq!(got.contained.len(), 1);
+        let c = &got.contained[0];
+        assert_eq!((c.child, c.hook, c.first), (0, hook::LOOKUP, true));
+        assert_eq!(count(&m, 0, Child::LookupErrors), 1);
+        // Not asked again for this request.
+        m.lookup("r", 0, |i| {
+            assert_ne!(i, 0);
+            hit(32)
+        })
+        .unwrap();
+        // The next failure is logged quietly.
+        let next = m
+            .lookup("s", 0, |i| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert!(!next.contained[0].first);
+        // Without a breaker, a raising child fails the call (see
+        // lookup_fault_names_the_child_and_drops_state).
+        assert!(m.forget("r") && m.forget("s"));
+        assert!(!m.table.any_excluded(), "finishing clears the exclusions");
+    }
+
+    #[test]
+    fn consecutive_failures_open_the_breaker_and_skip_the_child() {
+        let m = with_breaker(2, 30, Some(Duration::ZERO));
+        // A request that waits on child 0 with a deadline not yet passed.
+        for r in ["a", "b"] {
+            m.lookup(r, 0, |i| if i == 0 { not_ready() } else { hit(0) })
+                .unwrap();
+        }
+        assert_eq!(m.breaker(0), Some(State::Open));
+        assert_eq!(m.breaker(1), None);
+        assert_eq!(count(&m, 0, Child::BreakerOpens), 1);
+        let t = m.take_breaker_transitions();
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].child, t[0].to, t[0].failures), (0, State::Open, 2));
+        assert_eq!(
+            m.take_breaker_changes(),
+            Some(vec![Some(State::Open), None])
+        );
+        // While open, a new request does not ask it and is not held.
+        let got = m
+            .lookup("c", 0, |i| {
+                assert_ne!(i, 0, "an open breaker's child is not asked");
+                hit(16)
+            })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(16), Some(1)));
+        assert_eq!(count(&m, 0, Child::BreakerSkips), 1);
+        // It still gets the allocation (0 tokens) and the finish.
+        let mut told = vec![];
+        m.allocated("c", 16, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 0), (1, 16)]);
+        let mut finished = vec![];
+        m.finish(
+            "c",
+            |_| hook::FINISHED,
+            false,
+            own,
+            |i| {
+                finished.push(i);
+                done(false, None)
+            },
+        )
+        .unwrap();
+        assert_eq!(finished, [0, 1]);
+        // After the cooldown one request probes it; its answer closes it.
+        std::thread::sleep(Duration::from_millis(40));
+        let mut asked = vec![];
+        m.lookup("probe", 0, |i| {
+            asked.push(i);
+            hit(0)
+        })
+        .unwrap();
+        assert_eq!(asked, [0, 1]);
+        assert_eq!(m.breaker(0), Some(State::Closed));
+        let to: Vec<State> = m.take_breaker_transitions().iter().map(|t| t.to).collect();
+        assert_eq!(to, [State::HalfOpen, State::Closed]);
+        for r in ["a", "b", "probe"] {
+            assert!(m.forget(r));
+        }
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_a_finished_probe_hands_it_on() {
+        let m = with_breaker(1, 10, None);
+        m.lookup("a", 0, |i| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::Open));
+        std::thread::sleep(Duration::from_millis(15));
+        // The probe is not ready yet; another request skips the child.
+        m.lookup("p", 0, |i| if i == 0 { not_ready() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::HalfOpen));
+        m.lookup("q", 0, |i| {
+            assert_ne!(i, 0, "only the probe asks");
+            hit(0)
+        })
+        .unwrap();
+        // The probe ends unanswered: the next request probes.
+        finish_with(&m, "p", false, vec![done(false, None), done(false, None)]).unwrap();
+        m.lookup("r", 0, |i| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::Open));
+        let opened: Vec<u128> = m
+            .take_breaker_transitions()
+            .iter()
+            .filter_map(|t| t.cooldown)
+            .map(|d| d.as_millis())
+            .collect();
+        assert_eq!(opened, [10, 20], "a failed probe doubles the cooldown");
+        for r in ["a", "q", "r"] {
+            assert!(m.forget(r));
+        }
+        assert!(!m.table.any_excluded());
+    }
+
+    #[test]
+    fn bad_breaker_settings_are_refused() {
+        let d = Duration::from_millis;
+        for (failures, cooldown, max) in [(0, d(1), d(1)), (1, d(0), d(1)), (1, d(2), d(1))] {
+            let cfg = BreakerConfig {
+                failures,
+                cooldown,
+                max_cooldown: max,
+            };
+            let got = mux(1, ClashPolicy::Error, LoadPolicy::First)
+                .with_breakers::<String>(vec![Some(cfg)]);
+            assert!(matches!(got, Err(MuxError::Config(_))));
+        }
     }
 
     #[test]
@@ -995,18 +1337,64 @@ mod tests {
         .unwrap();
         assert!(f.async_save);
         let out = m.take_outbox();
-        assert_eq!(out.extra_async_saves.get("r"), Some(&2));
+        assert_eq!(out.saves.get("r"), Some(&(0b111, 3)), "every saver reports");
         assert!(m.take_outbox().is_empty(), "taken once");
+        assert_eq!(m.snapshot().totals[Total::ExtraAsyncSaves as usize], 2);
         assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
     }
 
     #[test]
     fn untracked_request_never_waits_for_extra_saves() {
-        // A request never looked up (aborted while waiting) or finished twice.
+        // A request never looked up (aborted while waiting) or finished twice:
+        // the first saver's completion ends it.
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
         let f = finish_with(&m, "x", false, vec![done(true, None), done(true, None)]).unwrap();
         assert!(f.async_save);
+        assert_eq!(m.take_outbox().saves.get("x"), Some(&(0b11, 1)));
+    }
+
+    #[test]
+    fn an_async_load_is_announced_with_its_child() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let lazy = |i: usize| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(if i == 1 { 32 } else { 0 }),
+                load_async: i == 1,
+            })
+        };
+        m.lookup("r", 0, lazy).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        assert_eq!(m.take_outbox().loads.get("r"), Some(&1));
+        // vLLM's second call once the load is done announces nothing.
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
         assert!(m.take_outbox().is_empty());
+        // A synchronous load is not waited for.
+        m.lookup("s", 0, |i| hit([0, 16][i])).unwrap();
+        m.allocated("s", 16, no_blocks, no_tell).unwrap();
+        assert!(m.take_outbox().is_empty());
+    }
+
+    #[test]
+    fn workers_report_a_request_once_every_saver_did_and_count_strays() {
+        let w = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        w.expect(&[("r", 0b011, 2)], &[("l", 2)]);
+        assert!(!w.sent(0, "r"));
+        assert!(!w.sent(0, "r"), "a duplicate counts once");
+        assert!(!w.sent(2, "r"), "child 2 never saved it");
+        assert!(w.sent(1, "r"));
+        assert!(
+            !w.received(0, "l"),
+            "only the loading child's receive counts"
+        );
+        assert!(w.received(2, "l"));
+        let snap = w.snapshot();
+        let c = |i: usize, k: Child| snap.children[i][k as usize];
+        assert_eq!(c(0, Child::SaveCompletions), 1);
+        assert_eq!(c(0, Child::StrayCompletions), 2);
+        assert_eq!(c(2, Child::StrayCompletions), 1);
+        assert_eq!(c(2, Child::LoadCompletions), 1);
+        assert_eq!(snap.totals[Total::FinishedSending as usize], 1);
+        assert_eq!((w.pending_sends(), w.pending_recvs()), (0, 0));
     }
 
     #[test]
@@ -1026,7 +1414,9 @@ mod tests {
             f.params,
             Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 0)])))
         );
-        assert_eq!(m.take_outbox().dropped_saves.get("x"), Some(&vec![0]));
+        // The contained child is not among the savers: its completion of
+        // the request will be a stray, dropped.
+        assert_eq!(m.take_outbox().saves.get("x"), Some(&(0b10, 1)));
         let again = finish_with(
             &m,
             "y",
@@ -1247,9 +1637,12 @@ mod tests {
                     let k = savers.iter().enumerate()
                         .filter(|&(i, &s)| s && Some(i) != failed).count() as u32;
                     prop_assert_eq!(f.async_save, k > 0);
-                    let extra = if looked_up { k.saturating_sub(1) } else { 0 };
-                    prop_assert_eq!(out.extra_async_saves.get("r").copied().unwrap_or(0), extra);
-                    prop_assert_eq!(out.dropped_saves.contains_key("r"), failed.is_some());
+                    let savers: u64 = savers.iter().enumerate()
+                        .filter(|&(i, &s)| s && Some(i) != failed)
+                        .map(|(i, _)| 1u64 << i).sum();
+                    let need = if looked_up { k } else { k.min(1) };
+                    let want = (k > 0).then_some((savers, need));
+                    prop_assert_eq!(out.saves.get("r").copied(), want);
                 }
                 (Err(e), None) => prop_assert!(false, "unexpected {:?}", e),
             }

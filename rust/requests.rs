@@ -111,6 +111,8 @@ pub struct RequestState {
     pub local_hit_tokens: u64,
     /// Tokens the chosen child reported at the latest lookup.
     pub matched_tokens: u64,
+    /// The chosen child loads asynchronously (its answer at the latest lookup).
+    pub load_async: bool,
     /// External tokens vLLM allocated for the chosen child to load; this is
     /// what `num_extra_cached_tokens` reports.
     pub loaded_tokens: u64,
@@ -119,9 +121,9 @@ pub struct RequestState {
     /// When the request was first looked up (kept only when some child has
     /// a lookup deadline).
     pub first_lookup: Option<Instant>,
-    /// Bit i set: child i missed its lookup deadline for this request; its
-    /// answers no longer count (it is not asked again).
-    pub timed_out: u64,
+    /// Bit i set: child i is out of this request's lookups (it missed its
+    /// deadline, raised, or its breaker was open): not asked again, a miss.
+    pub excluded: u64,
 }
 
 impl RequestState {
@@ -144,6 +146,8 @@ pub struct RequestTable {
     map: DashMap<String, RequestState, Xxh3DefaultBuilder>,
     /// Entries in `map`, kept beside it: `DashMap::len` locks every shard.
     live: AtomicUsize,
+    /// Entries with some child excluded.
+    excluding: AtomicUsize,
 }
 
 impl RequestTable {
@@ -180,7 +184,7 @@ impl RequestTable {
 
     /// [`RequestTable::lookup`], also recording when the request was first
     /// looked up (`since`, kept from the first call) and the children that
-    /// missed their lookup deadline (`timed_out`, added).
+    /// are out of its lookups (`excluded`, added).
     pub fn lookup_at(
         &self,
         req_id: &str,
@@ -188,32 +192,44 @@ impl RequestTable {
         policy: LoadPolicy,
         matches: &[ChildMatch],
         since: Option<Instant>,
-        timed_out: u64,
+        excluded: u64,
     ) -> Lookup {
         let decision = choose(policy, matches);
         self.update(req_id, |st| {
             st.first_lookup = st.first_lookup.or(since);
-            st.timed_out |= timed_out;
+            if st.excluded == 0 && excluded != 0 {
+                self.excluding.fetch_add(1, Relaxed);
+            }
+            st.excluded |= excluded;
             st.took_part |= all_children(matches.len());
             st.local_hit_tokens = local_hit_tokens;
             if decision.tokens.is_some() {
                 st.chosen = decision.chosen;
                 st.matched_tokens = decision.tokens.unwrap_or(0);
+                st.load_async = decision.load_async;
             }
         });
         decision
     }
 
     /// A whole `update_state_after_alloc` event. Returns the child that gets
-    /// `num_external` (the others get 0). vLLM calls this again with 0 once
-    /// an async load is done; that second call keeps the loaded count.
-    pub fn allocated(&self, req_id: &str, n_children: usize, num_external: u64) -> Option<usize> {
+    /// `num_external` (the others get 0) and whether it loads
+    /// asynchronously. vLLM calls this again with 0 once an async load is
+    /// done; that second call keeps the loaded count.
+    pub fn allocated(
+        &self,
+        req_id: &str,
+        n_children: usize,
+        num_external: u64,
+    ) -> Option<(usize, bool)> {
         self.update(req_id, |st| {
             st.took_part |= all_children(n_children);
             if num_external > 0 {
                 st.loaded_tokens = num_external;
             }
-            st.chosen.filter(|_| num_external > 0)
+            st.chosen
+                .filter(|_| num_external > 0)
+                .map(|c| (c, st.load_async))
         })
     }
 
@@ -235,6 +251,9 @@ impl RequestTable {
     pub fn finish(&self, req_id: &str) -> Option<RequestState> {
         let (_, st) = self.map.remove(req_id)?;
         self.live.fetch_sub(1, Relaxed);
+        if st.excluded != 0 {
+            self.excluding.fetch_sub(1, Relaxed);
+        }
         Some(st)
     }
 
@@ -248,6 +267,11 @@ impl RequestTable {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Some live request has a child excluded from its lookups.
+    pub fn any_excluded(&self) -> bool {
+        self.excluding.load(Relaxed) != 0
     }
 }
 
@@ -322,7 +346,7 @@ mod tests {
             LoadPolicy::First,
             &[m(Some(0), false), m(Some(48), false)],
         );
-        assert_eq!(t.allocated("r", 2, 48), Some(1));
+        assert_eq!(t.allocated("r", 2, 48), Some((1, false)));
         // The second call vLLM makes after an async load keeps the count.
         assert_eq!(t.allocated("r", 2, 0), None);
         let st = t.finish("r").unwrap();

@@ -26,6 +26,19 @@ pub enum Child {
     ContainedErrors,
     /// Lookups this child left "not ready" past its deadline (a miss).
     LookupTimeouts,
+    /// Lookups this child raised on, contained as a miss (it has a breaker).
+    LookupErrors,
+    /// Times this child's breaker opened.
+    BreakerOpens,
+    /// Requests whose lookup skipped this child because its breaker was open.
+    BreakerSkips,
+    /// Worker: async saves this child reported finished (once per request).
+    SaveCompletions,
+    /// Worker: async loads this child reported finished or failed.
+    LoadCompletions,
+    /// Worker: completions this child reported for a request it owed none
+    /// for (a duplicate, or one it never saved or loaded): dropped.
+    StrayCompletions,
 }
 
 /// Names of the per-child counters, by `Child` variant: the one source of the
@@ -39,11 +52,17 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "async_saves",
     "contained_errors",
     "lookup_timeouts",
+    "lookup_errors",
+    "breaker_opens",
+    "breaker_skips",
+    "save_completions",
+    "load_completions",
+    "stray_completions",
 ];
 
 impl Child {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Child::LookupTimeouts as usize + 1;
+    pub const COUNT: usize = Child::StrayCompletions as usize + 1;
 }
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.

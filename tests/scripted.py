@@ -18,6 +18,12 @@ sets. It records every call so tests can check what kvmux routed to it.
 - ``hold``: request ids whose async save does not complete until removed
 - ``fail_loads``: every load it is chosen for fails (blocks reported as
   load errors, so vLLM recomputes or fails the request)
+- ``repeat_completions``: every completion it reports (send or receive) is
+  reported again in the next step too (a duplicate)
+- ``report_all_finished``: its workers report every finished request
+  finished sending, saved or not (as LMCache's do)
+- with ``load_async``, its workers report each load finished receiving in
+  the step that starts it
 
 Tests may change ``self.script`` (the same dict) at any time.
 """
@@ -36,9 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 class ScriptedMetadata(KVConnectorMetadata):
-    def __init__(self, finished: list[str], loads: list[int] | None = None) -> None:
+    def __init__(
+        self, finished: list[str], loads: list[int] | None = None, recving: list[str] | None = None
+    ) -> None:
         self.finished = finished
         self.loads = loads or []
+        self.recving = recving or []
 
 
 class ScriptedConnector(KVConnectorBase_V1):
@@ -53,6 +62,9 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._async_finished: list[str] = []  # scheduler: saves to announce
         self._saving: set[str] = set()  # worker: saves announced, not yet done
         self._loads: list[int] = []  # scheduler: blocks to load this step
+        self._recving: list[str] = []  # scheduler: async loads started this step
+        self._to_recv: set[str] = set()  # worker: async loads to report
+        self._again: tuple[set[str], set[str]] = (set(), set())  # worker: duplicates
         self._failed_loads: set[int] = set()  # worker
         self._block_size = vllm_config.cache_config.block_size
         self._maybe_fail("__init__")
@@ -83,12 +95,15 @@ class ScriptedConnector(KVConnectorBase_V1):
             first = request.num_computed_tokens // self._block_size
             n = num_external_tokens // self._block_size
             self._loads.extend(blocks.get_block_ids()[0][first : first + n])
+        if num_external_tokens > 0 and self.script.get("load_async"):
+            self._recving.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
         # Tell the workers which finished requests this child saves async.
         saving, self._async_finished = self._async_finished, []
         loads, self._loads = self._loads, []
-        return ScriptedMetadata(saving, loads)
+        recving, self._recving = self._recving, []
+        return ScriptedMetadata(saving, loads, recving)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
         self._maybe_fail("request_finished")
@@ -117,6 +132,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             raise TypeError(f"got {type(connector_metadata).__name__}, not my metadata")
         super().bind_connector_metadata(connector_metadata)
         self._saving.update(connector_metadata.finished)
+        self._to_recv.update(connector_metadata.recving)
         if self.script.get("fail_loads"):
             self._failed_loads.update(connector_metadata.loads)
 
@@ -139,15 +155,21 @@ class ScriptedConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> Any:
         self._maybe_fail("get_finished")
         self.calls.append(("get_finished", sorted(finished_req_ids)))
-        if not self.script.get("async_save"):
-            return None, None
-        # An async save completes in the step that announces it, unless a
-        # test holds it back with "hold".
-        held = set(self.script.get("hold", ()))
-        done = self._saving - held
-        self._saving -= done
-        self.completed.extend(sorted(done))
-        return done or None, None
+        again_snd, again_rcv = self._again
+        recving, self._to_recv = self._to_recv, set()
+        done: set[str] = set()
+        if self.script.get("async_save"):
+            # An async save completes in the step that announces it, unless
+            # a test holds it back with "hold".
+            held = set(self.script.get("hold", ()))
+            done = self._saving - held
+            self._saving -= done
+            self.completed.extend(sorted(done))
+        if self.script.get("report_all_finished"):
+            done |= finished_req_ids
+        if self.script.get("repeat_completions"):
+            self._again = (set(done), set(recving))
+        return (done | again_snd) or None, (recving | again_rcv) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_loads = self._failed_loads, set()

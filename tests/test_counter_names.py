@@ -28,7 +28,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 #: What the interval stats hold beside the core's totals: the per-child rows.
 CHILDREN = "children"
 #: What ``mux_stats()`` adds to the core's cumulative counters.
-MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves"}
+MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers"}
 
 
 def expected_interval_totals() -> list[str]:

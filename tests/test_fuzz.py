@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from kvmux._core import HostIndex, Mux, SaveCountdown
+from kvmux._core import HostIndex, Mux
 from tests.harness import mux_config, scripted
 
 REQUESTS_PER_EXAMPLE = 50
@@ -230,32 +230,35 @@ class _Req:
 
 
 def test_python_threads_share_the_core_without_losing_a_count():
-    """The Rust multiplexer, its children called from Rust, the save
-    countdown and the host index, hammered from 4 Python threads (real
+    """The Rust multiplexer, its children called from Rust, a worker's
+    completions and the host index, hammered from 4 Python threads (real
     parallelism on free-threaded CPython)."""
     hooks = {
         "get_num_new_matched_tokens": [(True, lambda r, n: (16, False))] * 2,
         "request_finished": [(True, lambda r, b: (False, {"t": 1})), (False, (False, None))],
     }
     core = Mux(["a", "b"], "error", "longest", 16, hooks, [False, False], logging.getLogger(), "")
-    countdown = SaveCountdown()
+    # A worker's side of 8 children that all save every request; thread t
+    # reports as children 2t and 2t + 1, 50 times over (49 duplicates each).
+    names = [f"c{i}" for i in range(8)]
+    worker = Mux(names, "error", "first", 16, {}, [False] * 8, logging.getLogger(), "")
     index = HostIndex(64)
     ids = [f"q{i}" for i in range(32)]
     reqs = [_Req(rid) for rid in ids]
-    for rid in ids:
-        countdown.expect({rid: 4 * 50 - 1})  # 4 threads x 50 completions each
+    worker.expect({rid: (0xFF, 8) for rid in ids})
     errors: list[BaseException] = []
     finished: list[set[str]] = []
 
     def work(t: int) -> None:
         try:
             done: set[str] = set()
+            mine = [ids if i in (2 * t, 2 * t + 1) else None for i in range(8)]
             for n in range(50):
                 for req in reqs:
                     assert core.get_num_new_matched_tokens(req, 0) == (16, False)
                     core.update_state_after_alloc(req, None, 16)
                     core.request_finished(req, [])
-                done |= countdown.complete(ids)
+                done |= worker.complete_sends(mine)
                 key = [bytes([t, n % 8]) * 8]
                 index.commit(index.reserve(key).slots)
             finished.append(done)
@@ -271,7 +274,11 @@ def test_python_threads_share_the_core_without_losing_a_count():
     assert len(core) == 0
     assert core.stats()["finished"] == 4 * 50 * len(ids)
     all_done = [rid for d in finished for rid in d]
-    assert sorted(all_done) == sorted(ids)  # each reported once, after all 200
-    assert len(countdown) == 0
+    assert sorted(all_done) == sorted(ids)  # each reported once, after all 8 savers
+    assert worker.pending_sends() == 0
+    counts = worker.stats()["children"]
+    assert all(counts[c]["save_completions"] == len(ids) for c in names)
+    assert all(counts[c]["stray_completions"] == 49 * len(ids) for c in names)
+    assert worker.stats()["finished_sending"] == len(ids)
     index.check()
     assert index.stats()["ready"] == 32

@@ -16,7 +16,6 @@ __all__ = [
     "HostIndex",
     "Mux",
     "Reservation",
-    "SaveCountdown",
     "ServablePrefix",
     "bind_errors",
     "chain_token_hashes",
@@ -50,6 +49,7 @@ class Mux:
         hma_fix: str,
         glue: dict[str, Any] | None = None,
         lookup_timeouts_ms: list[float | None] | None = None,
+        breakers: list[tuple[int, float, float] | None] | None = None,
     ) -> Self:
         """``hooks``: hook name -> per child ``(True, bound method)`` to call
         it or ``(False, its constant answer)``; a hook left out is answered by
@@ -58,11 +58,14 @@ class Mux:
         the fix named when a multi-group request meets a non-HMA child;
         ``glue`` (scheduler side) holds ``metadata``, ``worker_metadata``,
         ``stats`` and ``stats_every_s`` for the per-step hooks;
-        ``lookup_timeouts_ms[i]``: child i's lookup deadline (None: none)."""
+        ``lookup_timeouts_ms[i]``: child i's lookup deadline (None: none);
+        ``breakers[i]``: child i's breaker ``(failures, cooldown_ms,
+        max_cooldown_ms)`` (None: none)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """vLLM's hook. Raises ``KvmuxChildError`` naming a failing child."""
+        """vLLM's hook. Raises ``KvmuxChildError`` naming a failing child
+        (one with a breaker is a logged, counted miss instead)."""
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None: ...
@@ -79,17 +82,37 @@ class Mux:
         """The child chosen to load a request, if any."""
     def on_new_request(self, request: Any) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """vLLM's hook: ``glue["metadata"](children's metadata, extra async
-        saves, dropped completions)``."""
+        """vLLM's hook: ``glue["metadata"](children's metadata, saves,
+        loads)``, the completions the workers wait for."""
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM's hook: failed loads stop counting as loaded; each child sees
         its own slice of the workers' metadata."""
     def get_kv_connector_stats(self) -> Any:
         """vLLM's hook: ``glue["stats"](names, child stats, counters)`` at most
-        once per ``glue["stats_every_s"]`` and when idle; None if quiet."""
-    def count_worker(self, finished_sending: int, load_failed_blocks: int) -> None: ...
+        once per ``glue["stats_every_s"]`` and when idle, and at once when a
+        breaker changed state (``counters["breaker_state"]``: child name ->
+        0 closed, 1 half open, 2 open); None if quiet."""
+    def expect(
+        self,
+        saves: dict[str, tuple[int, int]] | None = None,
+        loads: dict[str, int] | None = None,
+    ) -> None:
+        """Worker side: the completions the metadata announces (``saves``:
+        request id -> (bit set of the saving children, completions needed);
+        ``loads``: request id -> the loading child)."""
+    def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
+        """Worker side: each child's finished-sending ids (config order) ->
+        the requests finished sending now; strays dropped and counted."""
+    def complete_recvs(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
+        """Worker side: each child's finished (or failed) receiving ids ->
+        those of the loading child; strays dropped and counted."""
+    def pending_sends(self) -> int: ...
+    def pending_recvs(self) -> int: ...
+    def count_load_failures(self, blocks: int) -> None: ...
     def stats(self) -> dict[str, Any]:
-        """Cumulative counters plus ``live_requests``."""
+        """Cumulative counters plus ``live_requests`` and ``breakers``
+        (child name -> ``"closed"``, ``"open"`` or ``"half_open"``, for the
+        children that have one)."""
     def take_interval(self, every_s: float = 0.0) -> dict[str, Any] | None:
         """Counters changed since the previous take (nested, no zeros,
         ``clashes`` by policy); None when nothing changed. With ``every_s``,
@@ -98,15 +121,6 @@ class Mux:
 
 def bind_errors(child: type[Exception], clash: type[Exception], config: type[Exception]) -> None:
     """Called once by ``kvmux.errors``: the exception classes the core raises."""
-@final
-class SaveCountdown:
-    """Worker-side countdown of async saves."""
-
-    def __new__(cls) -> Self: ...
-    def expect(self, extra: dict[str, int]) -> None: ...
-    def complete(self, ids: Iterable[str]) -> set[str]: ...
-    def __len__(self) -> int: ...
-
 @final
 class Reservation:
     """The answer of :meth:`HostIndex.reserve`."""

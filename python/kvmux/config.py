@@ -22,17 +22,29 @@ if TYPE_CHECKING:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["ChildSpec", "MuxConfig", "parse_mux_config"]
+__all__ = ["BreakerSpec", "ChildSpec", "MuxConfig", "parse_mux_config"]
 
 #: How long a child may answer a lookup "not ready" before kvmux treats it
 #: as a miss for that request (ms; global here, or per child in its entry).
 LOOKUP_TIMEOUT_KEY = "lookup_timeout_ms"
-ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY)
+#: The circuit breaker of each child (global here, or per child in its
+#: entry): this many consecutive failed lookups (deadline missed, or raised)
+#: open it (None: no breaker; a raising lookup then fails the call) ...
+BREAKER_FAILURES_KEY = "breaker_failures"
+#: ... for this long (ms), doubled by each failed probe ...
+BREAKER_COOLDOWN_KEY = "breaker_cooldown_ms"
+#: ... up to this long (ms).
+BREAKER_MAX_COOLDOWN_KEY = "breaker_max_cooldown_ms"
+BREAKER_KEYS = (BREAKER_FAILURES_KEY, BREAKER_COOLDOWN_KEY, BREAKER_MAX_COOLDOWN_KEY)
+DEFAULT_BREAKER_FAILURES = 3
+DEFAULT_BREAKER_COOLDOWN_MS = 1000.0
+DEFAULT_BREAKER_MAX_COOLDOWN_MS = 30000.0
+ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS)
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
 NAME_KEY = "name"
 #: The keys of a child's entry that are kvmux's, not the child's.
-CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY)
+CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
@@ -41,6 +53,22 @@ HMA_FIX = (
     'connector "MultiConnector" with kv_connector_module_path "kvmux" so vLLM '
     "turns the hybrid manager off by itself"
 )
+
+
+@dataclass(frozen=True)
+class BreakerSpec:
+    """A child's circuit breaker (see the README's "A slow or dead child")."""
+
+    failures: int = DEFAULT_BREAKER_FAILURES
+    """Consecutive failed lookups (deadline missed, or raised) that open it."""
+    cooldown_ms: float = DEFAULT_BREAKER_COOLDOWN_MS
+    """How long it stays open at first; each failed probe doubles it."""
+    max_cooldown_ms: float = DEFAULT_BREAKER_MAX_COOLDOWN_MS
+    """The longest cooldown."""
+
+
+#: The breaker every child has unless configured otherwise.
+DEFAULT_BREAKER = BreakerSpec()
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,8 @@ class ChildSpec:
     supports_hma: bool
     lookup_timeout_ms: float | None = None
     """How long the child may answer a lookup "not ready" (None: no limit)."""
+    breaker: BreakerSpec | None = DEFAULT_BREAKER
+    """The child's circuit breaker (None: none)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config."""
@@ -109,6 +139,7 @@ class _RawChild:
     transfer_config: KVTransferConfig
     cls: type
     lookup_timeout_ms: float | None
+    breaker: BreakerSpec | None
 
 
 def _timeout(raw: Mapping[str, Any], where: str, problems: list[str]) -> float | None:
@@ -127,12 +158,64 @@ def _timeout(raw: Mapping[str, Any], where: str, problems: list[str]) -> float |
     return float(value)
 
 
+def _breaker(
+    raw: Mapping[str, Any],
+    where: str,
+    problems: list[str],
+    default: BreakerSpec | None = DEFAULT_BREAKER,
+) -> BreakerSpec | None:
+    """The breaker settings of ``raw`` over ``default`` (a key present in
+    ``raw`` wins; ``breaker_failures: null`` turns the breaker off)."""
+    if not any(k in raw for k in BREAKER_KEYS):
+        return default
+    base = default or BreakerSpec()
+    # Inherited when absent: a breaker turned off stays off.
+    failures = raw.get(BREAKER_FAILURES_KEY, default and default.failures)
+    if failures is not None and (
+        isinstance(failures, bool) or not isinstance(failures, int) or failures < 1
+    ):
+        problems.append(
+            f"{where}{BREAKER_FAILURES_KEY}={failures!r} is not valid; set it to how many "
+            "consecutive failed lookups (deadline missed, or raised) open the child's "
+            f"breaker (an int >= 1, default {DEFAULT_BREAKER_FAILURES}), or null for no breaker"
+        )
+        return None
+    ms = {}
+    for key, have in (
+        (BREAKER_COOLDOWN_KEY, base.cooldown_ms),
+        (BREAKER_MAX_COOLDOWN_KEY, base.max_cooldown_ms),
+    ):
+        value = raw.get(key, have)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+            problems.append(
+                f"{where}{key}={value!r} is not valid; set it to a number of milliseconds > 0 "
+                f"(defaults: {BREAKER_COOLDOWN_KEY} {DEFAULT_BREAKER_COOLDOWN_MS:g}, "
+                f"{BREAKER_MAX_COOLDOWN_KEY} {DEFAULT_BREAKER_MAX_COOLDOWN_MS:g})"
+            )
+            return None
+        ms[key] = float(value)
+    cooldown, longest = ms[BREAKER_COOLDOWN_KEY], ms[BREAKER_MAX_COOLDOWN_KEY]
+    if BREAKER_MAX_COOLDOWN_KEY not in raw:
+        longest = max(longest, cooldown)
+    if longest < cooldown:
+        problems.append(
+            f"{where}{BREAKER_MAX_COOLDOWN_KEY}={longest:g} is below "
+            f"{BREAKER_COOLDOWN_KEY}={cooldown:g}; the longest cooldown must be at least "
+            "the first one"
+        )
+        return None
+    if failures is None:
+        return None
+    return BreakerSpec(failures=failures, cooldown_ms=cooldown, max_cooldown_ms=longest)
+
+
 def _child(
     index: int,
     raw: Any,
     parent: KVTransferConfig,
     problems: list[str],
     default_timeout: float | None = None,
+    default_breaker: BreakerSpec | None = DEFAULT_BREAKER,
 ) -> _RawChild | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -195,7 +278,8 @@ def _child(
             return None
     own_timeout = _timeout(raw, f"{where}: ", problems)
     timeout = own_timeout if LOOKUP_TIMEOUT_KEY in raw else default_timeout
-    return _RawChild(index, cls_name, name, ktc, cls, timeout)
+    breaker = _breaker(raw, f"{where}: ", problems, default_breaker)
+    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker)
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -219,6 +303,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
     clash = _policy(extra, "clash_policy", tuple(CLASH_POLICIES), DEFAULT_CLASH_POLICY, problems)
     load = _policy(extra, "load_policy", tuple(LOAD_POLICIES), DEFAULT_LOAD_POLICY, problems)
     default_timeout = _timeout(extra, "kv_connector_extra_config: ", problems)
+    default_breaker = _breaker(extra, "kv_connector_extra_config: ", problems)
 
     raw_children = extra.get("connectors")
     children: list[_RawChild] = []
@@ -241,7 +326,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         )
     else:
         for i, raw in enumerate(raw_children):
-            got = _child(i, raw, kv_transfer_config, problems, default_timeout)
+            got = _child(i, raw, kv_transfer_config, problems, default_timeout, default_breaker)
             if got is not None:
                 children.append(got)
     names = _names(children, problems)
@@ -255,6 +340,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             cls=c.cls,
             supports_hma=KVConnectorFactory.supports_hma_config(c.transfer_config),
             lookup_timeout_ms=c.lookup_timeout_ms,
+            breaker=c.breaker,
         )
         for c, name in zip(children, names, strict=True)
     )

@@ -27,7 +27,7 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 - a child failing in a scheduler or worker hook raises
   :class:`KvmuxChildError` naming it (per-layer hooks excepted, see
   ``save_kv_layer``), and a failure on a request the child never took part
-  in is contained (see :mod:`kvmux._containment`);
+  in is contained (``Mux::finish`` in ``rust/mux.rs``);
 - children whose hook only returns a constant are not called at all.
 """
 
@@ -168,7 +168,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     def num_pending_async_saves(self) -> int:
         """Worker side: finished requests still waiting for async-save
         completions from some of their children (0 on the scheduler)."""
-        return len(self._worker.countdown) if self._worker is not None else 0
+        return self._worker.mux.pending_sends() if self._worker is not None else 0
+
+    def num_pending_async_loads(self) -> int:
+        """Worker side: requests still waiting for their async load's
+        completion from the child that loads them (0 on the scheduler)."""
+        return self._worker.mux.pending_recvs() if self._worker is not None else 0
 
     def mux_stats(self) -> dict[str, Any]:
         """kvmux's own counters on this side: per child lookups, hits, loads;

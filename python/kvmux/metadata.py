@@ -18,13 +18,14 @@ class KvmuxMetadata(KVConnectorMetadata):
 
     children: tuple[KVConnectorMetadata, ...]
     """Each child's own metadata, in config order."""
-    extra_async_saves: dict[str, int] | None = None
-    """Finished requests saved asynchronously by k > 1 children: request id ->
-    k - 1, the completions a worker swallows before reporting the request."""
-    dropped_saves: dict[str, tuple[int, ...]] | None = None
-    """Finished requests for which a child's failure was contained (it never
-    took part in them; see ``kvmux._containment``): request id -> those
-    children, whose completions of the request a worker drops."""
+    saves: dict[str, tuple[int, int]] | None = None
+    """Requests finished this step that children save asynchronously:
+    request id -> (bit set of those children, how many of their completions
+    the workers wait for: all of them, or 1 for a request kvmux never
+    tracked). A completion from another child is dropped (``rust/completions.rs``)."""
+    loads: dict[str, int] | None = None
+    """Requests loading asynchronously from this step on: request id -> the
+    loading child, the only one whose receive completion reaches vLLM."""
 
 
 @dataclass

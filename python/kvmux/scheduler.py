@@ -72,6 +72,10 @@ def build_mux(cfg: MuxConfig, children: Children, block_size: int, *, hooks: boo
         if hooks
         else None,
         [spec.lookup_timeout_ms for spec in cfg.children],
+        [
+            None if b is None else (b.failures, b.cooldown_ms, b.max_cooldown_ms)
+            for b in (spec.breaker for spec in cfg.children)
+        ],
     )
 
 

@@ -36,6 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvmux._core import CHILD_COUNTERS, TOTAL_COUNTERS
 
 __all__ = [
+    "BREAKER_GAUGE",
+    "BREAKER_STATE",
     "CHILD_METRICS",
     "CLASHES",
     "FOLDED_INTO_CLASHES",
@@ -53,10 +55,24 @@ logger = logging.getLogger("kvmux")
 Nested = dict[str, Any]
 
 
+#: The key of the breakers' states in the scheduler's interval counters
+#: (child name -> 0 closed, 1 half open, 2 open): a gauge, so the latest
+#: report wins instead of adding up.
+BREAKER_STATE = "breaker_state"
+#: Its Prometheus gauge (label ``connector``).
+BREAKER_GAUGE = (
+    "kvmux_breaker_state",
+    "A child's circuit breaker: 0 closed, 1 half open (one request probes it), 2 open.",
+)
+
+
 def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
-    """Add ``src``'s ints into ``dst`` (recursively, in place)."""
+    """Add ``src``'s ints into ``dst`` (recursively, in place); the breakers'
+    states (:data:`BREAKER_STATE`) are replaced by the later ones."""
     for k, v in src.items():
-        if isinstance(v, Mapping):
+        if k == BREAKER_STATE and isinstance(v, Mapping):
+            dst[k] = {**dst.get(k, {}), **v}
+        elif isinstance(v, Mapping):
             nested_add(dst.setdefault(k, {}), v)
         elif isinstance(v, int | float) and not isinstance(v, bool):
             dst[k] = dst.get(k, 0) + v
@@ -209,6 +225,28 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_lookup_timeouts",
         "Lookups a child left not ready past its lookup_timeout_ms (treated as a miss).",
     ),
+    "lookup_errors": (
+        "kvmux_lookup_errors",
+        "Lookups a child raised on, contained as a miss (children with a breaker).",
+    ),
+    "breaker_opens": ("kvmux_breaker_opens", "Times a child's circuit breaker opened."),
+    "breaker_skips": (
+        "kvmux_breaker_skips",
+        "Requests whose lookup skipped a child because its breaker was open.",
+    ),
+    "save_completions": (
+        "kvmux_save_completions",
+        "Async saves a child reported finished, once per request (summed over workers).",
+    ),
+    "load_completions": (
+        "kvmux_load_completions",
+        "Async loads a child reported finished or failed (summed over workers).",
+    ),
+    "stray_completions": (
+        "kvmux_stray_completions",
+        "Completions a child reported for a request it owed none for (a duplicate, or one "
+        "it never saved or loaded): dropped, never passed to vLLM (summed over workers).",
+    ),
 }
 
 #: The same for the multiplexer-wide counters (no label; ``clashes``: label
@@ -265,14 +303,14 @@ def _values(counters: Mapping[str, Any], key: str, label: str | None) -> list[tu
     return [(None, counters.get(key))]
 
 
-#: The Prometheus counters kvmux registered in this process, by (class, name,
+#: The Prometheus metrics kvmux registered in this process, by (class, name,
 #: label names), so that registering again reuses them.
 _COUNTERS: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
 
 
 class KvmuxPromMetrics(KVConnectorPromMetrics):
     """``kvmux_*`` counters (a ``connector`` label per child, or a ``policy``
-    label), plus each child's own metrics, forwarded."""
+    label), the breakers' gauge, plus each child's own metrics, forwarded."""
 
     def __init__(
         self,
@@ -286,19 +324,28 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children = children
         self._metrics = {
-            name: (self._counter(name, doc, labelnames + ([label] if label else [])), key, label)
+            name: (
+                self._registered(
+                    self._counter_cls, name, doc, labelnames + ([label] if label else [])
+                ),
+                key,
+                label,
+            )
             for name, doc, key, label in METRICS
         }
+        self._breaker_gauge = self._registered(
+            self._gauge_cls, *BREAKER_GAUGE, [*labelnames, "connector"]
+        )
 
-    def _counter(self, name: str, doc: str, labelnames: list[str]) -> Any:
-        # A counter registers its name once per process: a later engine in
+    def _registered(self, cls: Any, name: str, doc: str, labelnames: list[str]) -> Any:
+        # A metric registers its name once per process: a later engine in
         # the same process (or a second build) reuses the one kvmux made.
-        key = (self._counter_cls, name, tuple(labelnames))
-        counter = _COUNTERS.get(key)
-        if counter is None:
-            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            _COUNTERS[key] = counter
-        return counter
+        key = (cls, name, tuple(labelnames))
+        metric = _COUNTERS.get(key)
+        if metric is None:
+            metric = cls(name=name, documentation=doc, labelnames=labelnames)
+            _COUNTERS[key] = metric
+        return metric
 
     @classmethod
     def build(
@@ -333,6 +380,9 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
                 if isinstance(value, int | float) and value > 0:
                     extra = [str(label_value)] if label else []
                     metric.labels(*engine_labels, *extra).inc(value)
+        for child, state in (counters.get(BREAKER_STATE) or {}).items():
+            if isinstance(state, int | float):
+                self._breaker_gauge.labels(*engine_labels, str(child)).set(state)
         for name, entry in (transfer_stats_data.get("children") or {}).items():
             prom = self._children.get(name)
             if prom is not None and isinstance(entry, Mapping):

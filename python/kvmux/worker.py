@@ -1,19 +1,19 @@
 """The worker side of :class:`~kvmux.connector.KvmuxConnector`.
 
-:class:`MuxWorker` owns the children (built for the worker role), the
-countdown of async saves (a request saved by k > 1 children is finished
-sending once all k reported it) and the completions to drop (of children
-whose failure on a request was contained, see :mod:`kvmux._containment`).
+:class:`MuxWorker` owns the children (built for the worker role) and the
+completions the workers wait for, each with its child's identity (the Rust
+``Mux``'s worker side, ``rust/completions.rs``): a request saved by k
+children is finished sending once each of the k reported it, a load is
+finished when the loading child reports it, and a completion from a child
+that owed none (a duplicate, a stray, one of a child whose failure on the
+request was contained) is dropped and counted, never passed to vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvmux import _versions
-from kvmux._containment import DroppedSaves
-from kvmux._core import SaveCountdown
 from kvmux.children import Children
 from kvmux.config import MuxConfig
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
@@ -28,14 +28,11 @@ __all__ = ["MuxWorker"]
 
 
 class MuxWorker:
-    """kvmux's worker-side state: the children, the save countdown, the
-    completions to drop, and the worker's counters."""
+    """kvmux's worker-side state: the children, and the Rust ``Mux`` that
+    tracks the completions and keeps the worker's counters."""
 
     def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
         self.children = children
-        self.countdown = SaveCountdown()
-        self.dropped = DroppedSaves()
-        # Only the counters (finished sending, failed load blocks).
         self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=False)
 
     def own_metadata(self, meta: KVConnectorMetadata) -> KvmuxMetadata:
@@ -48,10 +45,8 @@ class MuxWorker:
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         meta = self.own_metadata(connector_metadata)
-        if meta.extra_async_saves:
-            self.countdown.expect(meta.extra_async_saves)
-        if meta.dropped_saves:
-            self.dropped.expect(meta.dropped_saves)
+        if meta.saves or meta.loads:
+            self.mux.expect(meta.saves, meta.loads)
         for i, child_meta in enumerate(meta.children):
             self.children.call_one(i, "bind_connector_metadata", child_meta)
 
@@ -65,31 +60,17 @@ class MuxWorker:
             res = self.get_transfer_results(finished_req_ids)
             return res.finished_sending or None, res.finished_recving or None
         answers = self.children.call("get_finished", finished_req_ids)
-        done = self.complete_sends(snd for snd, _ in answers)
-        recving = set().union(*(rcv or () for _, rcv in answers))
+        done = self.mux.complete_sends([snd for snd, _ in answers])
+        recving = self.mux.complete_recvs([rcv for _, rcv in answers])
         return done or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         out = _versions.TransferResults()
         answers = self.children.call("get_transfer_results", finished_req_ids)
-        for res in answers:
-            out.finished_recving.update(res.finished_recving)
-            out.failed_recving.update(res.failed_recving)
-        out.finished_sending = self.complete_sends(r.finished_sending for r in answers)
+        out.finished_sending = self.mux.complete_sends([r.finished_sending for r in answers])
+        out.finished_recving = self.mux.complete_recvs([r.finished_recving for r in answers])
+        out.failed_recving = self.mux.complete_recvs([r.failed_recving for r in answers])
         return out
-
-    def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
-        """Every child's finished-sending ids of one step (in config order)
-        -> the requests finished sending now: completions of contained
-        children dropped, then the countdown of extra async saves."""
-        sending: list[str] = []
-        for i, snd in enumerate(per_child):
-            if snd:
-                sending.extend(self.dropped.filter(i, snd) if self.dropped else snd)
-        done = self.countdown.complete(sending)
-        if done:
-            self.mux.count_worker(len(done), 0)
-        return done
 
     def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:
         metas = self.children.call("build_connector_worker_meta")
@@ -102,7 +83,7 @@ class MuxWorker:
         for blocks in self.children.call("get_block_ids_with_load_errors"):
             failed |= set(blocks or ())
         if failed:
-            self.mux.count_worker(0, len(failed))
+            self.mux.count_load_failures(len(failed))
         return failed
 
     def get_kv_connector_stats(self) -> KvmuxStats | None:

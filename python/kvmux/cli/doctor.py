@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
                 "kv_role": spec.transfer_config.kv_role,
                 "supports_hma": spec.supports_hma,
                 "lookup_timeout_ms": spec.lookup_timeout_ms,
+                "breaker": None if spec.breaker is None else asdict(spec.breaker),
             }
         )
     if disable_hma:
@@ -347,7 +348,18 @@ def _print(rep: Report, head: str) -> None:
         hma = "HMA" if c["supports_hma"] else "no HMA"
         deadline = c.get("lookup_timeout_ms")
         late = f", a miss after {deadline:g} ms not ready" if deadline is not None else ""
-        print(f"  child {c['name']}: {c['class']} ({hma}{late})")
+        from kvmux.config import DEFAULT_BREAKER
+
+        b = c.get("breaker")
+        breaker = (
+            ", no breaker"
+            if b is None
+            else ""
+            if b == asdict(DEFAULT_BREAKER)
+            else f", breaker: open after {b['failures']} failed lookups for "
+            f"{b['cooldown_ms']:g}-{b['max_cooldown_ms']:g} ms"
+        )
+        print(f"  child {c['name']}: {c['class']} ({hma}{late}{breaker})")
     if rep.hma:
         print(f"hybrid KV cache manager: {rep.hma}")
     if rep.model:
