@@ -30,9 +30,9 @@ MOCKED = child("MockedConnector", module="tests.scripted")
 SCRIPTED = child("ScriptedConnector", module="tests.scripted", params={"s": 1})
 
 
-def build(role: KVConnectorRole, upstream: bool = False):
+def build(role: KVConnectorRole, upstream: bool = False, **extra):
     children = [MOCKED, SCRIPTED]
-    ktc = upstream_config(children) if upstream else mux_config(children)
+    ktc = upstream_config(children) if upstream else mux_config(children, **extra)
     conn = KVConnectorFactory.create_connector(vllm_config(ktc), role, kv_cache_config())
     mock = MOCKS[-1]
     mock.get_num_new_matched_tokens.return_value = (32, False)
@@ -112,7 +112,8 @@ def test_a_mocked_child_gets_every_worker_hook_the_per_layer_ones_included():
 )
 def test_an_error_in_a_mocked_child_names_it(hook, call):
     role = KVConnectorRole.WORKER if hook == "start_load_kv" else KVConnectorRole.SCHEDULER
-    conn, mock = build(role)
+    # Without a breaker: with one, a raising lookup is a contained miss.
+    conn, mock = build(role, breaker_failures=None)
     getattr(mock, hook).side_effect = RuntimeError("boom")
     if hook == "request_finished":
         mock.get_num_new_matched_tokens.side_effect = None
