@@ -58,6 +58,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._lookups: defaultdict[str, int] = defaultdict(int)
         self.layers_seen: list[str] = []
         self.completed: list[str] = []  # async saves reported done, in order
+        self.announced: set[str] = set()  # worker: async saves it was told of
         self.finished_blocks: dict[str, Any] = {}  # request id -> block ids at finish
         self._async_finished: list[str] = []  # scheduler: saves to announce
         self._saving: set[str] = set()  # worker: saves announced, not yet done
@@ -132,6 +133,7 @@ class ScriptedConnector(KVConnectorBase_V1):
             raise TypeError(f"got {type(connector_metadata).__name__}, not my metadata")
         super().bind_connector_metadata(connector_metadata)
         self._saving.update(connector_metadata.finished)
+        self.announced.update(connector_metadata.finished)
         self._to_recv.update(connector_metadata.recving)
         if self.script.get("fail_loads"):
             self._failed_loads.update(connector_metadata.loads)

@@ -1,9 +1,12 @@
 """Property-based lifecycle fuzzing (hypothesis) and the core under threads.
 
-Random interleavings of arrivals, "not ready" lookups, scheduling steps with
-pickled metadata, preemptions (a small device cache forces them), aborts
-before and after scheduling, finishing twice, async-save completions held
-back and released out of order, prefix-cache resets, through
+Random interleavings of arrivals, "not ready" lookups, lookup deadlines
+running out between steps (random delays), lookups that raise (so the
+child's breaker opens, is probed and closes), scheduling steps with pickled
+metadata, preemptions (a small device cache forces them), aborts before and
+after scheduling, finishing twice, async-save completions held back and
+released out of order, duplicated completions and completions of requests
+a child never saved, prefix-cache resets, through
 ``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children, driven
 by vLLM's real scheduler (``kvmux.bench.sim``, with ``tests.harness``'s KV
 writes). Invariants are checked after every step and at the end through
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -48,6 +52,7 @@ other_op = st.one_of(
     st.just(("release",)),
     st.tuples(st.just("finish_twice"), st.integers(0, 1_000)),
     st.just(("reset_prefix",)),
+    st.tuples(st.just("sleep"), st.sampled_from([0.0005, 0.002])),
 )
 plan = st.fixed_dictionaries(
     {
@@ -57,9 +62,22 @@ plan = st.fixed_dictionaries(
                 "async_save": st.booleans(),
                 "not_ready": st.integers(0, 2),
                 "fail_loads": st.booleans(),
+                "repeat_completions": st.booleans(),
             }
         ),
-        "b": st.fixed_dictionaries({"async_save": st.booleans(), "params": st.just({"b": 1})}),
+        # A deadline of 1 ms runs out whenever a "sleep" passes between the
+        # lookups of a request child a is not ready for.
+        "a_deadline_ms": st.sampled_from([None, 1.0]),
+        # Child a's lookups raise from the i-th request on (None: never).
+        "a_raises_from": st.one_of(st.none(), st.integers(0, REQUESTS_PER_EXAMPLE - 1)),
+        "b": st.fixed_dictionaries(
+            {
+                "async_save": st.booleans(),
+                "params": st.just({"b": 1}),
+                "report_all_finished": st.booleans(),
+                "repeat_completions": st.booleans(),
+            }
+        ),
         "load_policy": st.sampled_from(["first", "longest"]),
         "host_blocks": st.integers(4, 24),
         "events": st.lists(
@@ -76,7 +94,7 @@ def check_step(d, host, scripted_workers):
     assert len(sent) == len(set(sent)), "a request was reported finished sending twice"
     for rid in sent:  # only after every async save of every child completed
         for w in scripted_workers:
-            if w.script.get("async_save"):
+            if rid in w.announced:
                 assert rid in w.completed, (rid, "reported before a child's save completed")
     st_ = host.index_stats()
     assert st_["ready"] + st_["writing"] <= st_["capacity"]
@@ -98,10 +116,12 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {"num_blocks": p["host_blocks"]},
                 },
-                scripted(**p["a"]),
+                {**scripted(**p["a"]), "lookup_timeout_ms": p.get("a_deadline_ms")},
                 scripted(**p["b"]),
             ],
             load_policy=p["load_policy"],
+            breaker_failures=2,
+            breaker_cooldown_ms=1,
         ),
         num_blocks=16,  # 6 running requests of up to 5 blocks each: they preempt
         max_num_seqs=6,
@@ -120,7 +140,12 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
 
     d.connector.request_finished_all_groups = recording_finish
     added = []
+    raises_from = p.get("a_raises_from")
     for i, (add, others) in enumerate(p["events"]):
+        if raises_from is not None and raises_from <= i < raises_from + 10:
+            d.connector.children[1].script["fail"] = "get_num_new_matched_tokens"
+        else:  # the "server" is back: the breaker closes at its next probe
+            d.connector.children[1].script.pop("fail", None)
         prompt = PREFIXES[add["prefix"]][: add["shared"]] + [7 + i] * add["suffix"]
         rid = f"r{i}"
         d.add(
@@ -150,7 +175,10 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
                     assert again[0] in (True, False)
             elif op[0] == "reset_prefix":
                 d.scheduler.reset_prefix_cache()
+            elif op[0] == "sleep":
+                time.sleep(op[1])
     workers[0].script["hold"] = []
+    d.connector.children[1].script.pop("fail", None)
     for _ in range(3000):
         if not d.scheduler.requests:
             break
@@ -161,11 +189,20 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
     assert set(d.finished_sending) == asynced, "an async request was never reported"
     assert d.connector.num_live_requests() == 0
     assert d.worker.num_pending_async_saves() == 0
+    assert d.worker.num_pending_async_loads() == 0
     assert host.num_live_requests() == 0
     st_ = host.index_stats()
     assert st_["pinned"] == 0 and st_["writing"] == 0
     seen["lifecycles"] += len(added)
     seen["load_errors"] += sum(s.get("kvmux", {}).get("load_failed_blocks", 0) for s in d.kv_stats)
+    a = d.connector.mux_stats()["children"]["ScriptedConnector#1"]
+    for key in ("lookup_timeouts", "lookup_errors", "breaker_opens"):
+        seen[key] += a[key]
+    seen["stray_completions"] += sum(
+        c.get("stray_completions", 0)
+        for s in d.kv_stats
+        for c in s.get("kvmux", {}).get("children", {}).values()
+    )
 
 
 #: A plan that preempts and fails loads whatever Hypothesis generates (20
@@ -175,8 +212,21 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
 #: it first, so what it asserts it exercised does not hang on the seed, on
 #: ``KVMUX_FUZZ_EXAMPLES`` or on another test.
 PREEMPTING_PLAN = {
-    "a": {"matched": 32, "async_save": True, "not_ready": 0, "fail_loads": True},
-    "b": {"async_save": False, "params": {"b": 1}},
+    "a": {
+        "matched": 32,
+        "async_save": True,
+        "not_ready": 0,
+        "fail_loads": True,
+        "repeat_completions": True,
+    },
+    "a_deadline_ms": None,
+    "a_raises_from": None,
+    "b": {
+        "async_save": False,
+        "params": {"b": 1},
+        "report_all_finished": True,
+        "repeat_completions": False,
+    },
     "load_policy": "first",
     "host_blocks": 8,
     "events": [
@@ -186,10 +236,45 @@ PREEMPTING_PLAN = {
 }
 
 
+#: A plan that misses deadlines, raises on lookups (the breaker opens) and
+#: reports stray and duplicate completions whatever Hypothesis generates:
+#: child ``a`` is not ready twice per request with a 1 ms deadline and 2 ms
+#: between steps, and raises on requests 5 to 14; child ``b`` reports every
+#: finished request as sent.
+FAULTY_PLAN = {
+    "a": {
+        "matched": 16,
+        "async_save": True,
+        "not_ready": 2,
+        "fail_loads": False,
+        "repeat_completions": True,
+    },
+    "a_deadline_ms": 1.0,
+    "a_raises_from": 5,
+    "b": {
+        "async_save": True,
+        "params": {"b": 1},
+        "report_all_finished": True,
+        "repeat_completions": True,
+    },
+    "load_policy": "longest",
+    "host_blocks": 12,
+    "events": [
+        (
+            {"prefix": i % 3, "shared": 40, "suffix": 8, "max_tokens": 3, "ask": True},
+            [("sleep", 0.002), ("step",)],
+        )
+        for i in range(REQUESTS_PER_EXAMPLE)
+    ],
+}
+
+
 def test_random_lifecycles_keep_every_invariant(driver_factory):
-    """Hypothesis runs :data:`PREEMPTING_PLAN` and EXAMPLES generated plans
-    (200 in CI: over 10,000 lifecycles); the same run then shows it really
-    preempted and really failed loads, with every invariant checked."""
+    """Hypothesis runs :data:`PREEMPTING_PLAN`, :data:`FAULTY_PLAN` and
+    EXAMPLES generated plans (200 in CI: over 10,000 lifecycles); the same
+    run then shows it really preempted, failed loads, missed deadlines,
+    opened breakers and dropped stray completions, with every invariant
+    checked."""
     seen: Counter = Counter()
 
     @settings(
@@ -201,13 +286,16 @@ def test_random_lifecycles_keep_every_invariant(driver_factory):
     )
     @given(p=plan)
     @example(p=PREEMPTING_PLAN)
+    @example(p=FAULTY_PLAN)
     def fuzz(p):
         run_plan(driver_factory, p, seen)
 
     fuzz()
-    assert seen["lifecycles"] >= REQUESTS_PER_EXAMPLE * (EXAMPLES + 1)
+    assert seen["lifecycles"] >= REQUESTS_PER_EXAMPLE * (EXAMPLES + 2)
     assert seen["preemptions"] > 0, "the workload never preempted"
     assert seen["load_errors"] > 0, "no load ever failed"
+    for key in ("lookup_timeouts", "lookup_errors", "breaker_opens", "stray_completions"):
+        assert seen[key] > 0, f"no {key} happened"
 
 
 @pytest.mark.long
