@@ -21,7 +21,10 @@ use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
 use crate::breaker::{BreakerConfig, State, Transition};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{ClashPolicy, ValueEq};
-use crate::mux::{hook, ChildFinish, Contained, FinishedParams, Mux, Params, EXTRA_KEY};
+use crate::mux::{
+    hook, ChildFinish, Contained, FinishedParams, Mux, Params, Supplied, Want, BY_CHILD_KEY,
+    EXTRA_KEY, LOCAL_KEY,
+};
 use crate::requests::{ChildMatch, LoadPolicy, MAX_CHILDREN};
 use crate::stats::{Snapshot, CHILD_NAMES, TOTAL_NAMES};
 
@@ -547,16 +550,30 @@ impl PyMux {
     ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
         let rid = request_id(request)?;
         let req_id = rid.to_str()?;
-        let want_extra = request
+        let want = match request
             .getattr(intern!(py, "kv_transfer_params"))
             .ok()
             .and_then(|p| p.cast_into::<PyDict>().ok())
-            .map(|d| d.contains(EXTRA_KEY))
-            .transpose()?
-            .unwrap_or(false);
-        let own = |n: u64| {
+        {
+            Some(d) if !d.is_empty() => Want {
+                extra: d.contains(EXTRA_KEY)?,
+                by_child: d.contains(BY_CHILD_KEY)?,
+            },
+            _ => Want::default(),
+        };
+        let own = |s: &Supplied| {
             let d = PyDict::new(py);
-            d.set_item(EXTRA_KEY, n)?;
+            if s.want.extra {
+                d.set_item(EXTRA_KEY, s.extra)?;
+            }
+            if s.want.by_child {
+                let split = PyDict::new(py);
+                for (i, n) in s.by_child.iter().enumerate() {
+                    split.set_item(self.core.name(i), n)?;
+                }
+                split.set_item(LOCAL_KEY, s.local)?;
+                d.set_item(BY_CHILD_KEY, split)?;
+            }
             Ok(PyParams(d))
         };
         let call = |i: usize| {
@@ -583,7 +600,7 @@ impl PyMux {
         };
         let done = self
             .core
-            .finish(req_id, |i| route(i).0, want_extra, own, call)
+            .finish(req_id, |i| route(i).0, want, own, call)
             .map_err(|e| self.error(py, e))?;
         self.log_contained(py, req_id, &done.contained);
         for c in &done.new_clashes {
@@ -1431,6 +1448,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;
     m.add("EXTRA_KEY", EXTRA_KEY)?;
+    m.add("BY_CHILD_KEY", BY_CHILD_KEY)?;
+    m.add("LOCAL_KEY", LOCAL_KEY)?;
     m.add("CHILD_COUNTERS", CHILD_NAMES.to_vec())?;
     m.add("TOTAL_COUNTERS", TOTAL_NAMES.to_vec())?;
     Ok(())

@@ -26,6 +26,38 @@ use crate::stats::{Child, Counters, Snapshot, Total};
 /// The key the multiplexer adds to a finished request's params when the
 /// request asks for it: the tokens its chosen child supplied.
 pub const EXTRA_KEY: &str = "num_extra_cached_tokens";
+/// The key a request asks for, with any value, to get back the tokens each
+/// child and vLLM's local prefix cache supplied ([`Supplied`]).
+pub const BY_CHILD_KEY: &str = "cached_tokens_by_child";
+/// In [`BY_CHILD_KEY`]'s answer: vLLM's local prefix cache.
+pub const LOCAL_KEY: &str = "local_prefix_cache";
+
+/// Which of the multiplexer's own params a finishing request asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Want {
+    /// [`EXTRA_KEY`]: the tokens the children supplied, summed.
+    pub extra: bool,
+    /// [`BY_CHILD_KEY`]: the tokens each child and the local cache supplied.
+    pub by_child: bool,
+}
+
+impl Want {
+    pub fn any(self) -> bool {
+        self.extra || self.by_child
+    }
+}
+
+/// Who supplied a finished request's cached tokens, for its own params.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Supplied {
+    pub want: Want,
+    /// Tokens the children supplied beyond the local prefix cache (summed).
+    pub extra: u64,
+    /// Per child, the tokens it supplied (loads that failed not counted).
+    pub by_child: Vec<u64>,
+    /// Tokens vLLM's local prefix cache held.
+    pub local: u64,
+}
 
 /// The connector hooks the multiplexer runs, as vLLM names them.
 pub mod hook {
@@ -496,8 +528,12 @@ impl Mux {
     ///   such children make the workers wait for k - 1 extra completions,
     ///   but only for a request the multiplexer tracked (an untracked one has
     ///   no blocks anyone saves, and a wait nobody ends would leak);
-    /// - `want_extra`: the multiplexer's own params `{EXTRA_KEY: tokens the
-    ///   chosen child supplied}` (made by `own`) join the children's;
+    /// - `want`: the multiplexer's own params (made by `own` from
+    ///   [`Supplied`]: [`EXTRA_KEY`], the tokens the children supplied;
+    ///   [`BY_CHILD_KEY`], those of each child and of the local prefix cache)
+    ///   join the children's;
+    /// - the tokens each child supplied and those of the local prefix cache
+    ///   are counted (`served_tokens`, `local_cached_tokens`);
     /// - a single source of params is handed back uncopied; several are
     ///   merged under the clash policy, warning once per resolved key.
     ///
@@ -507,8 +543,8 @@ impl Mux {
         &self,
         req_id: &str,
         hooks: impl Fn(usize) -> &'static str,
-        want_extra: bool,
-        own: impl FnOnce(u64) -> Result<P, P::Error>,
+        want: Want,
+        own: impl FnOnce(&Supplied) -> Result<P, P::Error>,
         call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
     ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
         self.unwatch(req_id);
@@ -534,13 +570,31 @@ impl Mux {
                 sources.push((i, p));
             }
         }
-        if want_extra {
+        let supplier = state.chosen.filter(|_| state.loaded_tokens > 0);
+        if seen.is_some() {
+            if let Some(i) = supplier {
+                self.counters
+                    .child(i, Child::ServedTokens, state.loaded_tokens);
+            }
             self.counters
-                .total(Total::ExtraCachedTokens, state.loaded_tokens);
-            sources.push((
-                self.names.len(),
-                own(state.loaded_tokens).map_err(MuxError::Host)?,
-            ));
+                .total(Total::LocalCachedTokens, state.local_hit_tokens);
+        }
+        if want.any() {
+            if want.extra {
+                self.counters
+                    .total(Total::ExtraCachedTokens, state.loaded_tokens);
+            }
+            let mut by_child = vec![0; self.names.len()];
+            if let Some(i) = supplier {
+                by_child[i] = state.loaded_tokens;
+            }
+            let supplied = Supplied {
+                want,
+                extra: state.loaded_tokens,
+                by_child,
+                local: state.local_hit_tokens,
+            };
+            sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
         }
         if n_async > 0 {
             let need = if seen.is_some() { n_async } else { 1 };
@@ -872,8 +926,15 @@ mod tests {
         })
     }
 
-    fn own(n: u64) -> Result<P, String> {
-        Ok(P(vec![(EXTRA_KEY, n as i64)]))
+    fn own(s: &Supplied) -> Result<P, String> {
+        Ok(P(vec![(EXTRA_KEY, s.extra as i64)]))
+    }
+
+    fn want(extra: bool) -> Want {
+        Want {
+            extra,
+            by_child: false,
+        }
     }
 
     fn done(async_save: bool, params: Option<P>) -> R<ChildFinish<P>> {
@@ -890,7 +951,7 @@ mod tests {
         m.finish(
             req,
             |_| hook::FINISHED,
-            want_extra,
+            want(want_extra),
             own,
             |_| answers.next().unwrap(),
         )
@@ -960,7 +1021,7 @@ mod tests {
         m.finish(
             "r",
             |_| hook::FINISHED,
-            false,
+            want(false),
             own,
             |i| {
                 finished.push(i);
@@ -1057,7 +1118,7 @@ mod tests {
         m.finish(
             "c",
             |_| hook::FINISHED,
-            false,
+            want(false),
             own,
             |i| {
                 finished.push(i);
@@ -1437,7 +1498,7 @@ mod tests {
             .finish(
                 "r",
                 |_| hook::FINISHED_ALL_GROUPS,
-                false,
+                want(false),
                 own,
                 |i| {
                     called.push(i);
@@ -1486,6 +1547,41 @@ mod tests {
         let f = finish_with(&m, "s", false, vec![a(), b()]).unwrap();
         assert!(f.new_clashes.is_empty(), "warned once per key");
         assert_eq!(m.snapshot().totals[Total::ClashesResolved as usize], 2);
+    }
+
+    #[test]
+    fn each_child_and_the_local_cache_are_credited_their_tokens() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
+        m.lookup("r", 16, |i| hit([0, 48, 32][i])).unwrap();
+        m.allocated("r", 48, no_blocks, no_tell).unwrap();
+        let mut got = None;
+        m.finish(
+            "r",
+            |_| hook::FINISHED,
+            Want {
+                extra: true,
+                by_child: true,
+            },
+            |s: &Supplied| {
+                got = Some(s.clone());
+                own(s)
+            },
+            |_| done(false, None),
+        )
+        .unwrap();
+        let s = got.unwrap();
+        assert_eq!((s.extra, s.local), (48, 16));
+        assert_eq!(s.by_child, [0, 48, 0]);
+        assert_eq!(s.by_child.iter().sum::<u64>(), s.extra);
+        let snap = m.snapshot();
+        assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
+        assert_eq!(snap.children[2][Child::ServedTokens as usize], 0);
+        assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
+        // Counted whether or not the request asked.
+        m.lookup("s", 0, |i| hit([0, 0, 32][i])).unwrap();
+        m.allocated("s", 32, no_blocks, no_tell).unwrap();
+        finish_with(&m, "s", false, (0..3).map(|_| done(false, None)).collect()).unwrap();
+        assert_eq!(m.snapshot().children[2][Child::ServedTokens as usize], 32);
     }
 
     #[test]
@@ -1624,7 +1720,7 @@ mod tests {
             if looked_up {
                 m.lookup("r", 0, |_| hit(0)).unwrap();
             }
-            let res = m.finish("r", |_| hook::FINISHED, false, own, |i| {
+            let res = m.finish("r", |_| hook::FINISHED, want(false), own, |i| {
                 if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }
                 else { done(savers[i], None) }
             });

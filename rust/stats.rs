@@ -32,6 +32,9 @@ pub enum Child {
     BreakerOpens,
     /// Requests whose lookup skipped this child because its breaker was open.
     BreakerSkips,
+    /// Tokens this child supplied to finished requests (failed loads not
+    /// counted): its share of `num_extra_cached_tokens`.
+    ServedTokens,
     /// Worker: async saves this child reported finished (once per request).
     SaveCompletions,
     /// Worker: async loads this child reported finished or failed.
@@ -55,6 +58,7 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "lookup_errors",
     "breaker_opens",
     "breaker_skips",
+    "served_tokens",
     "save_completions",
     "load_completions",
     "stray_completions",
@@ -81,6 +85,8 @@ pub enum Total {
     FinishedSending,
     /// Worker: blocks children failed to load.
     LoadFailedBlocks,
+    /// Tokens vLLM's local prefix cache held for finished requests.
+    LocalCachedTokens,
 }
 
 /// Names of the multiplexer-wide counters, by `Total` variant.
@@ -92,11 +98,12 @@ pub const TOTAL_NAMES: [&str; Total::COUNT] = [
     "extra_async_saves",
     "finished_sending",
     "load_failed_blocks",
+    "local_cached_tokens",
 ];
 
 impl Total {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Total::LoadFailedBlocks as usize + 1;
+    pub const COUNT: usize = Total::LocalCachedTokens as usize + 1;
 }
 
 type ChildRow = [AtomicU64; Child::COUNT];

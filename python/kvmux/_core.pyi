@@ -7,10 +7,12 @@ from typing_extensions import Self, final
 
 # PyO3 lists every name the module adds in ``__all__``.
 __all__ = [
+    "BY_CHILD_KEY",
     "CHILD_COUNTERS",
     "CLASH_POLICIES",
     "EXTRA_KEY",
     "LOAD_POLICIES",
+    "LOCAL_KEY",
     "MAX_CHILDREN",
     "TOTAL_COUNTERS",
     "HostIndex",
@@ -25,6 +27,11 @@ CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 MAX_CHILDREN: int
 EXTRA_KEY: str
+BY_CHILD_KEY: str
+"""A request's ``kv_transfer_params`` key asking for the tokens each child
+and vLLM's local prefix cache supplied (``cached_tokens_by_child``)."""
+LOCAL_KEY: str
+"""vLLM's local prefix cache in that answer (``local_prefix_cache``)."""
 CHILD_COUNTERS: list[str]
 """Names of kvmux's per-child counters, in the core's order (the one source
 of the stats keys, the Prometheus table and the README's metric list)."""

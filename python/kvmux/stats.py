@@ -234,6 +234,10 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_breaker_skips",
         "Requests whose lookup skipped a child because its breaker was open.",
     ),
+    "served_tokens": (
+        "kvmux_served_tokens",
+        "Tokens a child supplied to finished requests (failed loads not counted).",
+    ),
     "save_completions": (
         "kvmux_save_completions",
         "Async saves a child reported finished, once per request (summed over workers).",
@@ -272,6 +276,10 @@ TOTAL_METRICS: dict[str, tuple[str, str]] = {
     "load_failed_blocks": (
         "kvmux_load_failed_blocks",
         "KV blocks children failed to load (vLLM recomputes them), summed over workers.",
+    ),
+    "local_cached_tokens": (
+        "kvmux_local_cached_tokens",
+        "Tokens of finished requests that vLLM's local prefix cache held.",
     ),
 }
 
