@@ -5,6 +5,7 @@ children of ``tests/scripted.py``."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
@@ -98,6 +99,17 @@ class SchedulerSim(sim.SchedulerSim):
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
         rows = [kv[block_ids[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :] for p in range(num_tokens)]
         return torch.stack(rows)
+
+    def _run_worker(self, w: Any, kv_caches: dict[str, torch.Tensor], so: Any, writes: Any) -> Any:
+        """As the base class, plus the worker's KV cache events of the step
+        (``get_kv_connector_kv_cache_events``, which vLLM's model runner
+        collects with the rest of the connector's output), pickled as they
+        cross from a worker process."""
+        out = super()._run_worker(w, kv_caches, so, writes)
+        events = w.get_kv_connector_kv_cache_events()
+        if events is not None:
+            out.kv_connector_output.kv_cache_events = pickle.loads(pickle.dumps(events))
+        return out
 
     def idle(self) -> None:
         """Let ``idle_wait_s`` pass, as an engine loop does between polls."""

@@ -15,13 +15,14 @@ Every call it makes names the child when the child raises
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmux._fanout import constant_answer, layer_hook
 from kvmux.config import MuxConfig
 from kvmux.errors import KvmuxChildError
+from kvmux.events import KvmuxKVEvents, deduplicated, labelled, own_worker_events
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,8 +105,18 @@ class Children:
             if not const:
                 active.append((i, fn))
         plan = Plan(tuple(answers), tuple(active))
+        if hook == "update_connector_output":
+            plan = self._with_own_worker_events(plan)
         self._plans[hook] = plan
         return plan
+
+    def _with_own_worker_events(self, plan: Plan) -> Plan:
+        """When a child sends KV events from its workers, each child's
+        ``update_connector_output`` sees its own events container in the
+        workers' output, not kvmux's (:func:`kvmux.events.own_worker_events`)."""
+        if not self.plan("get_kv_connector_kv_cache_events").active:
+            return plan
+        return Plan(plan.answers, tuple((i, own_worker_events(i, fn)) for i, fn in plan.active))
 
     def core_plan(self, hook: str) -> list[tuple[bool, Any]]:
         """``hook``'s plan as the Rust core takes it: per child ``(True,
@@ -186,14 +197,6 @@ class Children:
         answers = self.call(hook, *args, **kwargs) if plan.active else plan.answers
         return all(a is not False for a in answers)
 
-    def chain(self, hook: str, *args: Any, **kwargs: Any) -> Sequence[Any]:
-        """Every child's items, in config order."""
-        plan = self.plan(hook)
-        if not plan.active and not any(plan.answers):
-            return ()
-        answers = self.call(hook, *args, **kwargs)
-        return [item for a in answers for item in (a or ())]
-
     def first_not_none(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """The first child's answer that is not None."""
         return next((a for a in self.call(hook, *args, **kwargs) if a is not None), None)
@@ -224,10 +227,24 @@ class Children:
             )
         return answers[0] if answers else None
 
-    def merge_events(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """The children's KV cache events, merged."""
-        merged = None
-        for events in self.call(hook, *args, **kwargs):
-            if events is not None:
-                merged = events if merged is None else merged.merge(events)
-        return merged
+    def worker_events(self) -> KvmuxKVEvents | None:
+        """Worker side: each child's KV events container of the step
+        (``get_kv_connector_kv_cache_events``), kept apart so that each
+        child's scheduler side gets its own; None when no child has any."""
+        hook = "get_kv_connector_kv_cache_events"
+        if not self.plan(hook).active:
+            return None
+        per_child = self.call(hook)
+        if all(c is None for c in per_child):
+            return None
+        return KvmuxKVEvents(per_child)
+
+    def take_events(self) -> list[Any]:
+        """Scheduler side: every child's KV cache events of the step, in
+        config order, each labelled with its child's name, repeats that say
+        nothing new dropped (:mod:`kvmux.events`)."""
+        out: list[Any] = []
+        for name, events in zip(self.names, self.call("take_events"), strict=True):
+            if events:
+                out.extend(labelled(events, name))
+        return deduplicated(out) if len(out) > 1 else out

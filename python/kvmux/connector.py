@@ -48,6 +48,7 @@ from kvmux import _versions
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
+from kvmux.events import KvmuxKVEvents
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
 from kvmux.scheduler import CORE_HOOKS, MuxScheduler
 from kvmux.stats import KvmuxStats
@@ -363,8 +364,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """The children's common count of workers reporting a finish."""
         return self._children.agree("get_finished_count")
 
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        return self._children.merge_events("get_kv_connector_kv_cache_events")
+    def get_kv_connector_kv_cache_events(self) -> KvmuxKVEvents | None:
+        """Each child's KV events container of the step, kept apart: vLLM
+        merges them across workers child by child, and each child's
+        ``update_connector_output`` gets its own (see ``kvmux.events``).
+        None when no child has any."""
+        return self._children.worker_events()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Stats of the last interval: kvmux's own counters and each child's,
@@ -478,8 +483,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         return mux.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
 
     def take_events(self) -> Iterable[Any]:
-        """Every child's KV cache events, in config order."""
-        return self._children.chain("take_events")
+        """Every child's KV cache events, in config order, each labelled with
+        the child it came from (``ownership``: the child's name, or
+        ``name/ownership`` when the child set one), identical repeats with
+        nothing between them that changed their blocks dropped (see
+        ``kvmux.events``). vLLM publishes them with its own GPU events."""
+        return self._children.take_events()
 
     def has_pending_block_frees(self) -> bool:
         return self._children.any("has_pending_block_frees")

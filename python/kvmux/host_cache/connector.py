@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvmux.errors import KvmuxConfigError
 from kvmux.host_cache.config import parse_host_cache_config
+from kvmux.host_cache.events import HostEvents, group_specs, kv_events_enabled
 from kvmux.host_cache.layout import HostLayout, host_layout
 from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
 from kvmux.host_cache.scheduler import HostCacheScheduler
@@ -35,6 +36,7 @@ from kvmux.host_cache.worker import HostCacheWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -67,12 +69,20 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             par = vllm_config.parallel_config
             workers = par.tensor_parallel_size * par.pipeline_parallel_size
+            events = None
+            if kv_events_enabled(vllm_config):
+                events = HostEvents(self.layout.block_size, group_specs(kv_cache_config))
+            else:
+                # Nothing to report: vLLM's own answer, which kvmux sees is a
+                # constant and never calls.
+                self.take_events = self._no_events  # type: ignore[method-assign]
             self._sched = HostCacheScheduler(
                 self.layout.block_size,
                 num_slots,
                 workers,
                 self.layout.windows,
                 [g.kind for g in self.layout.groups],
+                events,
             )
         else:
             self._worker = HostCacheWorker(
@@ -142,6 +152,15 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """``BlockStored`` for the blocks the tier now holds and
+        ``BlockRemoved`` for those it evicted or dropped, ``medium="CPU"``,
+        when vLLM's KV cache events are on (see ``events.py``)."""
+        return self.scheduler.take_events()
+
+    def _no_events(self) -> tuple[()]:
+        return ()
 
     def num_live_requests(self) -> int:
         return self.scheduler.num_live_requests()

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import HostIndex, chain_token_hashes
+from kvmux.host_cache.events import HostEvents
 from kvmux.host_cache.layout import NULL_BLOCK_ID
 from kvmux.host_cache.metadata import (
     HostCacheMetadata,
@@ -107,10 +108,12 @@ class HostCacheScheduler:
         num_workers: int,
         windows: Sequence[int | None] = (None,),
         kinds: Sequence[str] | None = None,
+        events: HostEvents | None = None,
     ) -> None:
         """``windows``: per KV cache group, None for full attention, else the
         blocks the group reads before a resume point; ``kinds``: the groups'
-        kinds, for the stats (see ``layout.py``)."""
+        kinds, for the stats (see ``layout.py``); ``events``: the tier's KV
+        cache events, when vLLM's are on (``events.py``)."""
         self.block_size = block_size
         self.windows = list(windows)
         self.kinds = (
@@ -133,6 +136,7 @@ class HostCacheScheduler:
         # slot -> load confirmations received, not yet a whole set of workers
         self._load_acks: Counter[int] = Counter()
         self.stats = HostCacheStats()
+        self.events = events
 
     # -------------------------------------------------------------- keys
 
@@ -328,6 +332,10 @@ class HostCacheScheduler:
                     continue
                 if sub is not None:
                     positions = [sub[p] for p in positions]
+                if self.events is not None:
+                    self.events.reserved(
+                        st.request, self.keys(st.request), g, [first + p for p in positions], slots
+                    )
                 if all_ids is None:
                     all_ids = kv_cache_manager.get_block_ids(req_id)
                 ids = all_ids[g]
@@ -351,6 +359,8 @@ class HostCacheScheduler:
             return
         if meta.failed_saves:
             self.index.abort(list(meta.failed_saves))
+            if self.events is not None:
+                self.events.aborted(meta.failed_saves)
             for s in meta.failed_saves:
                 self._forget_save(s)
         done: list[int] = []
@@ -366,6 +376,8 @@ class HostCacheScheduler:
                 self._save_acks[s] = left - n
         if done:
             self.stats.add("stored_blocks", self.index.commit(done))
+            if self.events is not None:
+                self.events.committed(done)
             if self._per_group:
                 for g, n in groups.items():
                     self.stats.add(f"group{g}.stored_blocks", n)
@@ -440,7 +452,15 @@ class HostCacheScheduler:
 
     def reset(self) -> bool:
         self.index.clear_unpinned()
+        if self.events is not None:
+            index = self.index
+            self.events.cleared(lambda key, group: index.longest_prefix([key], group) == 1)
         return True
+
+    def take_events(self) -> list[Any]:
+        """The tier's KV cache events since the last call (none unless
+        vLLM's KV cache events are on)."""
+        return self.events.take() if self.events is not None else []
 
     def num_live_requests(self) -> int:
         return len(self._reqs)
