@@ -84,6 +84,12 @@ class MuxWorker:
             failed |= set(blocks or ())
         if failed:
             self.mux.count_load_failures(len(failed))
+            # A child that saved those device blocks this step (the host
+            # tier) copied KV that is not there: it drops those saves.
+            for child in self.children.connectors:
+                discard = getattr(child, "discard_saves_from", None)
+                if callable(discard):
+                    discard(failed)
         return failed
 
     def get_kv_connector_stats(self) -> KvmuxStats | None:

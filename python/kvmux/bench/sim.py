@@ -214,11 +214,13 @@ def worker_step(w: Any, so: Any, forward: Callable[[], None] | None = None) -> M
         forward()
     w.wait_for_save()
     sending, recving = w.get_finished(set(so.finished_req_ids))
+    # vLLM's order: the load errors, then the worker metadata.
+    invalid = w.get_block_ids_with_load_errors()
     kv_out = KVConnectorOutput(
         finished_sending=sending,
         finished_recving=recving,
+        invalid_block_ids=invalid,
         kv_connector_worker_meta=w.build_connector_worker_meta(),
-        invalid_block_ids=w.get_block_ids_with_load_errors(),
         kv_connector_stats=w.get_kv_connector_stats(),
     )
     w.clear_connector_metadata()

@@ -212,7 +212,15 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         return self.worker.take_output()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors()
+        errors = self.worker.take_load_errors()
+        if errors:
+            self.worker.discard_saves_from(errors)
+        return errors
+
+    def discard_saves_from(self, blocks: set[int]) -> int:
+        """Under kvmux: ``blocks`` failed to load by another child this step;
+        this step's saves of them are dropped (see the worker's)."""
+        return self.worker.discard_saves_from(blocks)
 
     def shutdown(self) -> None:
         if self._worker is not None:

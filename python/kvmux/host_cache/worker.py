@@ -41,6 +41,8 @@ class HostCacheWorker:
         self._awaiting: set[str] = set()
         self._out = HostCacheWorkerMetadata()
         self._load_errors: set[int] = set()
+        # This step's saves: device block -> the slots it is copied into.
+        self._step_saves: dict[int, list[int]] = defaultdict(list)
         self.stats = HostCacheStats()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -70,6 +72,7 @@ class HostCacheWorker:
             self.pool.fence()
         self._meta = meta
         self._awaiting.update(meta.finished_async)
+        self._step_saves.clear()
 
     def clear(self) -> None:
         self._meta = None
@@ -132,6 +135,8 @@ class HostCacheWorker:
             for job in group_jobs:
                 blocks.extend(job.blocks)
                 slots.extend(job.slots)
+                for b, slot in zip(job.blocks, job.slots, strict=True):
+                    self._step_saves[b].append(slot)
                 owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
             try:
                 transfer = self._need_pool().save(blocks, slots, group)
@@ -171,6 +176,22 @@ class HostCacheWorker:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def discard_saves_from(self, blocks: set[int]) -> int:
+        """Device ``blocks`` failed to load this step (their KV is not
+        there; vLLM recomputes them): this step's saves copied them, so
+        those slots are reported failed, never committed, and the tier
+        never serves what it did not hold. Returns how many slots."""
+        bad = {slot for b in blocks for slot in self._step_saves.get(b, ())}
+        if not bad:
+            return 0
+        for _, owners in self._saves:
+            for req, slots in owners.items():
+                owners[req] = tuple(s for s in slots if s not in bad)
+        for slot in bad:
+            self._out.saved.pop(slot, None)
+        self._out.failed_saves.update(bad)
+        return len(bad)
 
     def shutdown(self) -> None:
         for transfer, _ in self._saves + self._loads:  # type: ignore[operator]
