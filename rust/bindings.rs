@@ -368,9 +368,9 @@ impl PyMux {
     }
 
     /// What the workers must be told with the next step's metadata:
-    /// `(extra async completions by request, children whose completions to
-    /// drop by request)`, each None when empty.
-    #[allow(clippy::type_complexity)]
+    /// `(saves: request id -> (bit set of the saving children, completions
+    /// needed), loads: request id -> bit set of the async loaders)`, each
+    /// None when empty.
     #[allow(clippy::type_complexity)]
     fn take_outbox<'py>(
         &self,
@@ -832,13 +832,9 @@ impl PyMux {
         let req_id = rid.to_str()?;
         let got = self
             .core
-            .lookup(req_id, num_computed_tokens, |i| {
-                self.lookup.answer(
-                    py,
-                    i,
-                    |f| f.call1((request, num_computed_tokens)),
-                    |a| to_match(&a),
-                )
+            .lookup(req_id, num_computed_tokens, |i, computed| {
+                self.lookup
+                    .answer(py, i, |f| f.call1((request, computed)), |a| to_match(&a))
             })
             .map_err(|e| self.error(py, e))?;
         if !got.contained.is_empty() {
@@ -1097,7 +1093,8 @@ impl PyMux {
 
     /// Worker side: the completions the scheduler side announced in its
     /// metadata (`saves`: request id -> (bit set of the saving children,
-    /// completions needed); `loads`: request id -> the loading child).
+    /// completions needed); `loads`: request id -> bit set of the children
+    /// loading it asynchronously).
     #[pyo3(signature = (saves = None, loads = None))]
     fn expect(
         &self,
@@ -1111,7 +1108,7 @@ impl PyMux {
         }
         let mut l = Vec::new();
         for (k, v) in loads.into_iter().flat_map(|d| d.iter()) {
-            l.push((k.cast_into::<PyString>()?, v.extract::<usize>()?));
+            l.push((k.cast_into::<PyString>()?, v.extract::<u64>()?));
         }
         let s = s
             .iter()

@@ -13,7 +13,8 @@
 //! - a send: when each child that saved the request has reported it (one of
 //!   them for a request the multiplexer never tracked, see
 //!   [`crate::mux::Mux::finish`]); a child reporting it twice counts once;
-//! - a receive: when the child that loads the request reports it;
+//! - a receive: when the child that loads the request reports it (each of
+//!   them, when several load spans of it under `compose`);
 //! - a completion from a child that owes nothing for the request (a
 //!   duplicate, one it never saved or loaded, one whose failure on the
 //!   request was contained) is a [`Verdict::Stray`]: dropped, for the
@@ -45,7 +46,7 @@ struct Owed {
 #[derive(Debug, Default)]
 pub struct Completions {
     sends: DashMap<String, Owed, Xxh3DefaultBuilder>,
-    recvs: DashMap<String, usize, Xxh3DefaultBuilder>,
+    recvs: DashMap<String, Owed, Xxh3DefaultBuilder>,
 }
 
 impl Completions {
@@ -76,15 +77,34 @@ impl Completions {
         }
     }
 
-    /// Request `req_id` is loaded asynchronously by `child`.
-    pub fn expect_recv(&self, req_id: &str, child: usize) {
-        self.recvs.insert(req_id.to_owned(), child);
+    /// Request `req_id` is loaded asynchronously by the children in the bit
+    /// set `children` (one, or several spans under `compose`); it is done
+    /// when each reported it. A new load of the request replaces the last.
+    pub fn expect_recv(&self, req_id: &str, children: u64) {
+        if children != 0 {
+            let need = children.count_ones();
+            self.recvs
+                .insert(req_id.to_owned(), Owed { children, need });
+        }
     }
 
     /// `child` reported `req_id` finished sending.
     pub fn sent(&self, child: usize, req_id: &str) -> Verdict {
+        Self::complete(&self.sends, child, req_id)
+    }
+
+    /// `child` reported `req_id` finished (or failed) receiving.
+    pub fn received(&self, child: usize, req_id: &str) -> Verdict {
+        Self::complete(&self.recvs, child, req_id)
+    }
+
+    fn complete(
+        map: &DashMap<String, Owed, Xxh3DefaultBuilder>,
+        child: usize,
+        req_id: &str,
+    ) -> Verdict {
         let bit = 1u64.checked_shl(child as u32).unwrap_or(0);
-        let Some(mut owed) = self.sends.get_mut(req_id) else {
+        let Some(mut owed) = map.get_mut(req_id) else {
             return Verdict::Stray;
         };
         if owed.children & bit == 0 {
@@ -98,16 +118,8 @@ impl Completions {
         // Done: later completions are strays even before the entry goes.
         owed.children = 0;
         drop(owed);
-        self.sends.remove_if(req_id, |_, o| o.need == 0);
+        map.remove_if(req_id, |_, o| o.need == 0);
         Verdict::Done
-    }
-
-    /// `child` reported `req_id` finished (or failed) receiving.
-    pub fn received(&self, child: usize, req_id: &str) -> Verdict {
-        match self.recvs.remove_if(req_id, |_, &c| c == child) {
-            Some(_) => Verdict::Done,
-            None => Verdict::Stray,
-        }
     }
 
     /// Requests still waiting for send completions.
@@ -162,11 +174,21 @@ mod tests {
     #[test]
     fn a_receive_counts_only_from_the_loading_child() {
         let c = Completions::new();
-        c.expect_recv("r", 1);
+        c.expect_recv("r", 0b10);
         assert_eq!(c.received(0, "r"), Verdict::Stray);
         assert_eq!(c.pending_recvs(), 1);
         assert_eq!(c.received(1, "r"), Verdict::Done);
         assert_eq!(c.received(1, "r"), Verdict::Stray);
+        assert_eq!(c.pending_recvs(), 0);
+    }
+
+    #[test]
+    fn a_composed_load_is_done_when_every_async_loader_reported() {
+        let c = Completions::new();
+        c.expect_recv("r", 0b101);
+        assert_eq!(c.received(0, "r"), Verdict::Waiting);
+        assert_eq!(c.received(0, "r"), Verdict::Stray);
+        assert_eq!(c.received(2, "r"), Verdict::Done);
         assert_eq!(c.pending_recvs(), 0);
     }
 

@@ -20,7 +20,7 @@ use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
 use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
-use crate::requests::{ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN};
+use crate::requests::{Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN};
 use crate::stats::{Child, Counters, Snapshot, Total};
 
 /// The key the multiplexer adds to a finished request's params when the
@@ -152,8 +152,10 @@ pub struct Outbox {
     /// Finished requests saved asynchronously -> (bit set of the children
     /// that save it, how many of their completions the workers wait for).
     pub saves: HashMap<String, (u64, u32)>,
-    /// Requests loading asynchronously -> the child that loads.
-    pub loads: HashMap<String, usize>,
+    /// Requests loading asynchronously -> bit set of the children whose
+    /// asynchronous loads the workers wait for (one, or several spans
+    /// under `compose`).
+    pub loads: HashMap<String, u64>,
 }
 
 impl Outbox {
@@ -187,6 +189,9 @@ pub struct Mux {
     warned_lookup: AtomicU64,
     /// Worker side: the completions it waits for.
     completions: Completions,
+    /// `compose`: request id -> each child's span at the latest ready
+    /// lookup (tokens, loads asynchronously).
+    spans: DashMap<String, Vec<(u64, bool)>>,
 }
 
 impl Mux {
@@ -223,6 +228,7 @@ impl Mux {
             any_deadline: false,
             warned_lookup: AtomicU64::new(0),
             completions: Completions::new(),
+            spans: DashMap::new(),
         })
     }
 
@@ -314,7 +320,16 @@ impl Mux {
     pub fn forget(&self, req_id: &str) -> bool {
         self.unwatch(req_id);
         self.release_probe(req_id);
+        self.drop_spans(req_id);
         self.table.finish(req_id).is_some()
+    }
+
+    fn drop_spans(&self, req_id: &str) -> Option<Vec<(u64, bool)>> {
+        if self.load == LoadPolicy::Compose {
+            self.spans.remove(req_id).map(|(_, v)| v)
+        } else {
+            None
+        }
     }
 
     fn release_probe(&self, req_id: &str) {
@@ -342,7 +357,7 @@ impl Mux {
         &self,
         req_id: &str,
         num_computed_tokens: u64,
-        mut ask: impl FnMut(usize) -> Result<ChildMatch, ChildFault<E>>,
+        mut ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Looked<E>, MuxError<E>> {
         let n = self.names.len();
         // On the stack for the usual handful of children.
@@ -380,8 +395,21 @@ impl Mux {
             load_async: false,
         };
         let mut contained = Vec::new();
+        // The children asked (they take part in the request).
+        let mut asked = 0u64;
+        let compose = self.load == LoadPolicy::Compose;
+        // `compose`: each child is asked for the tokens after the earlier
+        // children's hits; the ones after a child that is not ready yet are
+        // not asked this time (bits in `unasked`).
+        let mut offset = 0u64;
+        let mut unasked = 0u64;
+        let mut stopped = false;
         for (i, slot) in matches.iter_mut().enumerate() {
             let bit = 1u64 << i;
+            if stopped {
+                unasked |= bit;
+                continue;
+            }
             if excluded & bit != 0 {
                 *slot = miss;
                 continue;
@@ -392,7 +420,8 @@ impl Mux {
                 self.counters.child(i, Child::BreakerSkips, 1);
                 continue;
             }
-            let got = ask(i).and_then(|m| {
+            asked |= bit;
+            let got = ask(i, num_computed_tokens + offset).and_then(|m| {
                 if m.load_async && m.tokens == Some(0) {
                     Err(ChildFault::Malformed(
                         "returned load_async=True with 0 tokens".into(),
@@ -404,8 +433,16 @@ impl Mux {
             match got {
                 Ok(m) => {
                     *slot = m;
-                    if m.tokens.is_some() {
-                        self.breakers.record(i, req_id, Outcome::Answered);
+                    match m.tokens {
+                        Some(t) => {
+                            self.breakers.record(i, req_id, Outcome::Answered);
+                            if compose {
+                                offset += t;
+                            }
+                        }
+                        // The children after this one are not asked.
+                        None if compose => stopped = true,
+                        None => {}
                     }
                 }
                 Err(fault @ ChildFault::Raised(_)) if self.breakers.has(i) => {
@@ -429,7 +466,7 @@ impl Mux {
         if let (Some(now), Some(since)) = (now, since) {
             for (i, slot) in matches.iter_mut().enumerate() {
                 let late = self.deadlines[i].is_some_and(|d| now.duration_since(since) >= d);
-                if slot.tokens.is_none() && late {
+                if slot.tokens.is_none() && late && unasked & (1u64 << i) == 0 {
                     *slot = miss;
                     excluded |= 1u64 << i;
                     self.counters.child(i, Child::LookupTimeouts, 1);
@@ -443,9 +480,19 @@ impl Mux {
             num_computed_tokens,
             self.load,
             matches,
-            since,
-            excluded,
+            Asked {
+                since,
+                excluded,
+                asked,
+            },
         );
+        if compose && got.tokens.is_some() {
+            let spans = matches
+                .iter()
+                .map(|m| (m.tokens.unwrap_or(0), m.load_async))
+                .collect();
+            self.spans.insert(req_id.to_owned(), spans);
+        }
         if got.tokens.is_some() {
             for (i, m) in matches.iter().enumerate() {
                 let toks = m.tokens.unwrap_or(0);
@@ -470,7 +517,8 @@ impl Mux {
     }
 
     /// `update_state_after_alloc`: the chosen child is told
-    /// `num_external_tokens`, every other child 0 (`tell(i, n)`). A planned
+    /// `num_external_tokens` (under `compose`, each child its span), every
+    /// other child that took part 0 (`tell(i, n)`). A planned
     /// load's device blocks (`load_blocks()`, group 0; empty when the model
     /// has several groups) are watched for load errors. A child failing
     /// drops the request's state.
@@ -482,15 +530,44 @@ impl Mux {
         mut tell: impl FnMut(usize, u64) -> Result<(), ChildFault<E>>,
     ) -> Result<Option<usize>, MuxError<E>> {
         let n = self.names.len();
-        let planned = self.table.allocated(req_id, n, num_external_tokens);
+        let (planned, took_part) = self.table.allocated(req_id, n, num_external_tokens);
         let chosen = planned.map(|(i, _)| i);
+        // What each child loads: the chosen child all of it, or under
+        // `compose` each its span (cut from the end to what vLLM allocated).
+        let mut given = vec![0u64; n];
+        let mut async_loaders = 0u64;
         if let Some((i, load_async)) = planned {
-            if load_async {
-                self.lock_outbox().loads.insert(req_id.to_owned(), i);
+            match self
+                .spans
+                .get(req_id)
+                .filter(|_| self.load == LoadPolicy::Compose)
+            {
+                Some(spans) => {
+                    let mut left = num_external_tokens;
+                    for (j, &(t, a)) in spans.iter().enumerate() {
+                        given[j] = t.min(left);
+                        left -= given[j];
+                        if given[j] > 0 && a {
+                            async_loaders |= 1u64 << j;
+                        }
+                    }
+                }
+                None => {
+                    given[i] = num_external_tokens;
+                    if load_async {
+                        async_loaders = 1u64 << i;
+                    }
+                }
             }
-            self.counters.child(i, Child::Loads, 1);
-            self.counters
-                .child(i, Child::LoadTokens, num_external_tokens);
+            if async_loaders != 0 {
+                self.lock_outbox()
+                    .loads
+                    .insert(req_id.to_owned(), async_loaders);
+            }
+            for (j, &g) in given.iter().enumerate().filter(|(_, &g)| g > 0) {
+                self.counters.child(j, Child::Loads, 1);
+                self.counters.child(j, Child::LoadTokens, g);
+            }
             match load_blocks() {
                 Ok(blocks) => self.watch(req_id, blocks),
                 Err(e) => {
@@ -499,12 +576,12 @@ impl Mux {
                 }
             }
         }
-        for i in 0..n {
-            let given = if Some(i) == chosen {
-                num_external_tokens
-            } else {
-                0
-            };
+        // A child never asked about the request (its breaker was open from
+        // the start) has nothing to update: it is not told.
+        for (i, &given) in given.iter().enumerate() {
+            if took_part & (1u64 << i) == 0 {
+                continue;
+            }
             if let Err(fault) = tell(i, given) {
                 self.forget(req_id);
                 return Err(MuxError::child(i, hook::ALLOC, fault));
@@ -570,11 +647,27 @@ impl Mux {
                 sources.push((i, p));
             }
         }
-        let supplier = state.chosen.filter(|_| state.loaded_tokens > 0);
+        // Who supplied the loaded tokens: the chosen child, or under
+        // `compose` each its span, in order (a failed load cut them from
+        // the first bad block on).
+        let mut by_child = vec![0; self.names.len()];
+        match self.drop_spans(req_id) {
+            Some(spans) => {
+                let mut left = state.loaded_tokens;
+                for (j, (t, _)) in spans.into_iter().enumerate() {
+                    by_child[j] = t.min(left);
+                    left -= by_child[j];
+                }
+            }
+            None => {
+                if let Some(i) = state.chosen.filter(|_| state.loaded_tokens > 0) {
+                    by_child[i] = state.loaded_tokens;
+                }
+            }
+        }
         if seen.is_some() {
-            if let Some(i) = supplier {
-                self.counters
-                    .child(i, Child::ServedTokens, state.loaded_tokens);
+            for (j, &t) in by_child.iter().enumerate().filter(|(_, &t)| t > 0) {
+                self.counters.child(j, Child::ServedTokens, t);
             }
             self.counters
                 .total(Total::LocalCachedTokens, state.local_hit_tokens);
@@ -583,10 +676,6 @@ impl Mux {
             if want.extra {
                 self.counters
                     .total(Total::ExtraCachedTokens, state.loaded_tokens);
-            }
-            let mut by_child = vec![0; self.names.len()];
-            if let Some(i) = supplier {
-                by_child[i] = state.loaded_tokens;
             }
             let supplied = Supplied {
                 want,
@@ -797,12 +886,12 @@ impl Mux {
     }
 
     /// Worker side: what the scheduler side announced (an [`Outbox`]).
-    pub fn expect(&self, saves: &[(&str, u64, u32)], loads: &[(&str, usize)]) {
+    pub fn expect(&self, saves: &[(&str, u64, u32)], loads: &[(&str, u64)]) {
         for &(req_id, children, need) in saves {
             self.completions.expect_send(req_id, children, need);
         }
-        for &(req_id, child) in loads {
-            self.completions.expect_recv(req_id, child);
+        for &(req_id, children) in loads {
+            self.completions.expect_recv(req_id, children);
         }
     }
 
@@ -828,17 +917,18 @@ impl Mux {
     }
 
     /// Worker side: child i reported `req_id` finished (or failed)
-    /// receiving. True when it is the child that loads the request; a
-    /// completion it did not owe is dropped and counted.
+    /// receiving. True when every child that loads the request
+    /// asynchronously has reported it; a completion the child did not owe
+    /// is dropped and counted.
     pub fn received(&self, i: usize, req_id: &str) -> bool {
         match self.completions.received(i, req_id) {
             Verdict::Stray => {
                 self.counters.child(i, Child::StrayCompletions, 1);
                 false
             }
-            _ => {
+            v => {
                 self.counters.child(i, Child::LoadCompletions, 1);
-                true
+                v == Verdict::Done
             }
         }
     }
@@ -977,7 +1067,7 @@ mod tests {
     #[test]
     fn lookup_chooses_by_policy_and_counts_hits() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
-        let got = m.lookup("r", 32, |i| hit([0, 16, 48][i])).unwrap();
+        let got = m.lookup("r", 32, |i, _| hit([0, 16, 48][i])).unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(48), Some(2)));
         assert_eq!(m.chosen("r"), Some(2));
         let snap = m.snapshot();
@@ -1003,13 +1093,13 @@ mod tests {
     fn a_child_past_its_deadline_is_a_miss_and_never_asked_again() {
         let m = with_deadlines(vec![Some(Duration::ZERO), None]);
         let got = m
-            .lookup("r", 0, |i| if i == 0 { not_ready() } else { hit(32) })
+            .lookup("r", 0, |i, _| if i == 0 { not_ready() } else { hit(32) })
             .unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
         assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
         // Its late answer never counts: it is not even asked.
         let again = m
-            .lookup("r", 0, |i| {
+            .lookup("r", 0, |i, _| {
                 assert_ne!(i, 0, "a timed-out child is not asked again");
                 hit(16)
             })
@@ -1055,7 +1145,7 @@ mod tests {
     fn a_raising_child_with_a_breaker_is_a_contained_miss_for_that_request() {
         let m = with_breaker(5, 1000, None);
         let got = m
-            .lookup("r", 0, |i| if i == 0 { raised() } else { hit(32) })
+            .lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(32) })
             .unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
         assert_eq!(got.contained.len(), 1);
@@ -1063,14 +1153,14 @@ mod tests {
         assert_eq!((c.child, c.hook, c.first), (0, hook::LOOKUP, true));
         assert_eq!(count(&m, 0, Child::LookupErrors), 1);
         // Not asked again for this request.
-        m.lookup("r", 0, |i| {
+        m.lookup("r", 0, |i, _| {
             assert_ne!(i, 0);
             hit(32)
         })
         .unwrap();
         // The next failure is logged quietly.
         let next = m
-            .lookup("s", 0, |i| if i == 0 { raised() } else { hit(0) })
+            .lookup("s", 0, |i, _| if i == 0 { raised() } else { hit(0) })
             .unwrap();
         assert!(!next.contained[0].first);
         // Without a breaker, a raising child fails the call (see
@@ -1084,7 +1174,7 @@ mod tests {
         let m = with_breaker(2, 30, Some(Duration::ZERO));
         // A request that waits on child 0 with a deadline not yet passed.
         for r in ["a", "b"] {
-            m.lookup(r, 0, |i| if i == 0 { not_ready() } else { hit(0) })
+            m.lookup(r, 0, |i, _| if i == 0 { not_ready() } else { hit(0) })
                 .unwrap();
         }
         assert_eq!(m.breaker(0), Some(State::Open));
@@ -1099,38 +1189,54 @@ mod tests {
         );
         // While open, a new request does not ask it and is not held.
         let got = m
-            .lookup("c", 0, |i| {
+            .lookup("c", 0, |i, _| {
                 assert_ne!(i, 0, "an open breaker's child is not asked");
                 hit(16)
             })
             .unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(16), Some(1)));
         assert_eq!(count(&m, 0, Child::BreakerSkips), 1);
-        // It still gets the allocation (0 tokens) and the finish.
+        // Never asked about "c", it is not told of its allocation (a child
+        // such as LMCache's fails on a request it never looked up); it still
+        // gets the finish, and a failure there is contained.
         let mut told = vec![];
         m.allocated("c", 16, no_blocks, |i, n| {
             told.push((i, n));
             Ok(())
         })
         .unwrap();
-        assert_eq!(told, [(0, 0), (1, 16)]);
+        assert_eq!(told, [(1, 16)]);
         let mut finished = vec![];
-        m.finish(
-            "c",
-            |_| hook::FINISHED,
-            want(false),
-            own,
-            |i| {
-                finished.push(i);
-                done(false, None)
-            },
-        )
-        .unwrap();
+        let f = m
+            .finish(
+                "c",
+                |_| hook::FINISHED,
+                want(false),
+                own,
+                |i| {
+                    finished.push(i);
+                    if i == 0 {
+                        Err(ChildFault::Raised("no tracker".into()))
+                    } else {
+                        done(false, None)
+                    }
+                },
+            )
+            .unwrap();
         assert_eq!(finished, [0, 1]);
+        assert_eq!(f.contained.len(), 1);
+        // A request that asked it before it opened still tells it.
+        let mut told = vec![];
+        m.allocated("a", 0, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 0), (1, 0)]);
         // After the cooldown one request probes it; its answer closes it.
         std::thread::sleep(Duration::from_millis(40));
         let mut asked = vec![];
-        m.lookup("probe", 0, |i| {
+        m.lookup("probe", 0, |i, _| {
             asked.push(i);
             hit(0)
         })
@@ -1148,22 +1254,22 @@ mod tests {
     #[test]
     fn a_failed_probe_reopens_and_a_finished_probe_hands_it_on() {
         let m = with_breaker(1, 10, None);
-        m.lookup("a", 0, |i| if i == 0 { raised() } else { hit(0) })
+        m.lookup("a", 0, |i, _| if i == 0 { raised() } else { hit(0) })
             .unwrap();
         assert_eq!(m.breaker(0), Some(State::Open));
         std::thread::sleep(Duration::from_millis(15));
         // The probe is not ready yet; another request skips the child.
-        m.lookup("p", 0, |i| if i == 0 { not_ready() } else { hit(0) })
+        m.lookup("p", 0, |i, _| if i == 0 { not_ready() } else { hit(0) })
             .unwrap();
         assert_eq!(m.breaker(0), Some(State::HalfOpen));
-        m.lookup("q", 0, |i| {
+        m.lookup("q", 0, |i, _| {
             assert_ne!(i, 0, "only the probe asks");
             hit(0)
         })
         .unwrap();
         // The probe ends unanswered: the next request probes.
         finish_with(&m, "p", false, vec![done(false, None), done(false, None)]).unwrap();
-        m.lookup("r", 0, |i| if i == 0 { raised() } else { hit(0) })
+        m.lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })
             .unwrap();
         assert_eq!(m.breaker(0), Some(State::Open));
         let opened: Vec<u128> = m
@@ -1199,13 +1305,13 @@ mod tests {
         let hour = Some(Duration::from_secs(3600));
         let m = with_deadlines(vec![hour, None]);
         let got = m
-            .lookup("r", 0, |i| if i == 0 { not_ready() } else { hit(32) })
+            .lookup("r", 0, |i, _| if i == 0 { not_ready() } else { hit(32) })
             .unwrap();
         assert_eq!(got.tokens, None);
         assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 0);
         // A child without a deadline waits for ever, whatever the others'.
         let m = with_deadlines(vec![None, Some(Duration::ZERO)]);
-        let got = m.lookup("r", 0, |_| not_ready()).unwrap();
+        let got = m.lookup("r", 0, |_, _| not_ready()).unwrap();
         assert_eq!(got.tokens, None);
         assert_eq!(m.snapshot().children[1][Child::LookupTimeouts as usize], 1);
     }
@@ -1213,9 +1319,12 @@ mod tests {
     #[test]
     fn the_deadline_runs_from_the_first_lookup() {
         let m = with_deadlines(vec![Some(Duration::from_millis(30))]);
-        assert_eq!(m.lookup("r", 0, |_| not_ready()).unwrap().tokens, None);
+        assert_eq!(m.lookup("r", 0, |_, _| not_ready()).unwrap().tokens, None);
         std::thread::sleep(Duration::from_millis(40));
-        assert_eq!(m.lookup("r", 0, |_| not_ready()).unwrap().tokens, Some(0));
+        assert_eq!(
+            m.lookup("r", 0, |_, _| not_ready()).unwrap().tokens,
+            Some(0)
+        );
     }
 
     #[test]
@@ -1229,7 +1338,9 @@ mod tests {
     fn lookup_over_many_children_chooses_among_all() {
         let m = mux(MAX_CHILDREN, ClashPolicy::Error, LoadPolicy::Longest);
         let got = m
-            .lookup("r", 0, |i| hit(if i == MAX_CHILDREN - 1 { 64 } else { 16 }))
+            .lookup("r", 0, |i, _| {
+                hit(if i == MAX_CHILDREN - 1 { 64 } else { 16 })
+            })
             .unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(64), Some(MAX_CHILDREN - 1)));
     }
@@ -1237,9 +1348,9 @@ mod tests {
     #[test]
     fn not_ready_lookup_counts_nothing_and_keeps_the_choice() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(16)).unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
         let got = m
-            .lookup("r", 0, |i| -> R<ChildMatch> {
+            .lookup("r", 0, |i, _| -> R<ChildMatch> {
                 Ok(ChildMatch {
                     tokens: (i == 0).then_some(16),
                     load_async: false,
@@ -1254,9 +1365,9 @@ mod tests {
     #[test]
     fn lookup_fault_names_the_child_and_drops_state() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(16)).unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
         let err = m
-            .lookup("r", 0, |i| {
+            .lookup("r", 0, |i, _| {
                 if i == 1 {
                     Err(ChildFault::Raised("boom".to_owned()))
                 } else {
@@ -1279,7 +1390,7 @@ mod tests {
     fn load_async_with_zero_tokens_is_malformed() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         let err = m
-            .lookup("r", 0, |_| -> R<ChildMatch> {
+            .lookup("r", 0, |_, _| -> R<ChildMatch> {
                 Ok(ChildMatch {
                     tokens: Some(0),
                     load_async: true,
@@ -1298,7 +1409,7 @@ mod tests {
     #[test]
     fn allocation_tells_the_chosen_child_only_and_watches_its_load() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |i| hit([0, 32, 64][i])).unwrap();
+        m.lookup("r", 0, |i, _| hit([0, 32, 64][i])).unwrap();
         let mut told = vec![];
         let chosen = m
             .allocated(
@@ -1332,7 +1443,7 @@ mod tests {
     #[test]
     fn allocation_fault_drops_state_and_watch() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(16)).unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
         let err = m
             .allocated(
                 "r",
@@ -1362,7 +1473,7 @@ mod tests {
     #[test]
     fn finish_reports_loaded_tokens_when_asked_and_passes_one_source_uncopied() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 16, |i| hit([0, 32][i])).unwrap();
+        m.lookup("r", 16, |i, _| hit([0, 32][i])).unwrap();
         m.allocated("r", 32, no_blocks, no_tell).unwrap();
         let f = finish_with(&m, "r", true, vec![done(false, None), done(false, None)]).unwrap();
         assert_eq!(
@@ -1388,7 +1499,7 @@ mod tests {
     #[test]
     fn several_async_savers_make_the_workers_wait_for_the_rest() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(0)).unwrap();
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
         let f = finish_with(
             &m,
             "r",
@@ -1423,14 +1534,14 @@ mod tests {
                 load_async: i == 1,
             })
         };
-        m.lookup("r", 0, lazy).unwrap();
+        m.lookup("r", 0, |i, _| lazy(i)).unwrap();
         m.allocated("r", 32, no_blocks, no_tell).unwrap();
-        assert_eq!(m.take_outbox().loads.get("r"), Some(&1));
+        assert_eq!(m.take_outbox().loads.get("r"), Some(&0b10));
         // vLLM's second call once the load is done announces nothing.
         m.allocated("r", 0, no_blocks, no_tell).unwrap();
         assert!(m.take_outbox().is_empty());
         // A synchronous load is not waited for.
-        m.lookup("s", 0, |i| hit([0, 16][i])).unwrap();
+        m.lookup("s", 0, |i, _| hit([0, 16][i])).unwrap();
         m.allocated("s", 16, no_blocks, no_tell).unwrap();
         assert!(m.take_outbox().is_empty());
     }
@@ -1438,7 +1549,7 @@ mod tests {
     #[test]
     fn workers_report_a_request_once_every_saver_did_and_count_strays() {
         let w = mux(3, ClashPolicy::Error, LoadPolicy::First);
-        w.expect(&[("r", 0b011, 2)], &[("l", 2)]);
+        w.expect(&[("r", 0b011, 2)], &[("l", 0b100)]);
         assert!(!w.sent(0, "r"));
         assert!(!w.sent(0, "r"), "a duplicate counts once");
         assert!(!w.sent(2, "r"), "child 2 never saved it");
@@ -1492,7 +1603,7 @@ mod tests {
     #[test]
     fn failure_of_a_child_that_took_part_raises_after_calling_everyone() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(0)).unwrap();
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
         let mut called = vec![];
         let err = m
             .finish(
@@ -1552,7 +1663,7 @@ mod tests {
     #[test]
     fn each_child_and_the_local_cache_are_credited_their_tokens() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
-        m.lookup("r", 16, |i| hit([0, 48, 32][i])).unwrap();
+        m.lookup("r", 16, |i, _| hit([0, 48, 32][i])).unwrap();
         m.allocated("r", 48, no_blocks, no_tell).unwrap();
         let mut got = None;
         m.finish(
@@ -1578,10 +1689,138 @@ mod tests {
         assert_eq!(snap.children[2][Child::ServedTokens as usize], 0);
         assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
         // Counted whether or not the request asked.
-        m.lookup("s", 0, |i| hit([0, 0, 32][i])).unwrap();
+        m.lookup("s", 0, |i, _| hit([0, 0, 32][i])).unwrap();
         m.allocated("s", 32, no_blocks, no_tell).unwrap();
         finish_with(&m, "s", false, (0..3).map(|_| done(false, None)).collect()).unwrap();
         assert_eq!(m.snapshot().children[2][Child::ServedTokens as usize], 32);
+    }
+
+    #[test]
+    fn compose_asks_each_child_after_the_earlier_ones_and_splits_the_load() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
+        // Child 0 holds [16, 48), child 1 up to 80 (asked from 48), child 2 nothing.
+        let mut asked = vec![];
+        let got = m
+            .lookup("r", 16, |i, nct| -> R<ChildMatch> {
+                asked.push((i, nct));
+                let held = [48, 80, 0][i];
+                Ok(ChildMatch {
+                    tokens: Some(held.max(nct) - nct),
+                    load_async: i == 1,
+                })
+            })
+            .unwrap();
+        assert_eq!(asked, [(0, 16), (1, 48), (2, 80)]);
+        assert_eq!(
+            (got.tokens, got.chosen, got.load_async),
+            (Some(64), Some(0), true)
+        );
+        let mut told = vec![];
+        m.allocated("r", 64, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 32), (1, 32), (2, 0)]);
+        assert_eq!(
+            m.take_outbox().loads.get("r"),
+            Some(&0b10),
+            "child 1 loads async"
+        );
+        let mut got = None;
+        m.finish(
+            "r",
+            |_| hook::FINISHED,
+            Want {
+                extra: true,
+                by_child: true,
+            },
+            |s: &Supplied| {
+                got = Some(s.clone());
+                own(s)
+            },
+            |_| done(false, None),
+        )
+        .unwrap();
+        let s = got.unwrap();
+        assert_eq!((s.by_child, s.extra, s.local), (vec![32, 32, 0], 64, 16));
+        assert_eq!(m.live_requests(), 0);
+        assert!(m.spans.is_empty());
+    }
+
+    #[test]
+    fn compose_cuts_spans_from_the_end_when_vllm_allocates_less_or_a_load_fails() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::Compose);
+        m.lookup("r", 0, |i, _| hit([32, 32][i])).unwrap();
+        let mut told = vec![];
+        m.allocated(
+            "r",
+            48,
+            || Ok::<_, String>(vec![1, 2, 3, 4]),
+            |i, n| {
+                told.push((i, n));
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(told, [(0, 32), (1, 16)]);
+        // Block 2 (tokens 32..48, child 1's span) fails: vLLM recomputes it.
+        assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
+        let mut got = None;
+        m.finish(
+            "r",
+            |_| hook::FINISHED,
+            Want {
+                extra: false,
+                by_child: true,
+            },
+            |s: &Supplied| {
+                got = Some(s.clone());
+                own(s)
+            },
+            |_| done(false, None),
+        )
+        .unwrap();
+        assert_eq!(got.unwrap().by_child, [32, 0]);
+    }
+
+    #[test]
+    fn first_and_longest_ask_every_child_from_vllms_computed_tokens() {
+        for policy in [LoadPolicy::First, LoadPolicy::Longest] {
+            let m = mux(2, ClashPolicy::Error, policy);
+            let mut asked = vec![];
+            m.lookup("r", 16, |i, nct| {
+                asked.push((i, nct));
+                hit(32)
+            })
+            .unwrap();
+            assert_eq!(asked, [(0, 16), (1, 16)], "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn compose_waits_for_a_child_before_asking_the_ones_after_it() {
+        let m = with_deadlines(vec![None, None]);
+        let m = Mux {
+            load: LoadPolicy::Compose,
+            ..m
+        };
+        let got = m
+            .lookup("r", 0, |i, _| {
+                assert_eq!(i, 0, "child 1 is asked once child 0 answered");
+                not_ready()
+            })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        let mut asked = vec![];
+        let got = m
+            .lookup("r", 0, |i, nct| {
+                asked.push((i, nct));
+                hit(16)
+            })
+            .unwrap();
+        assert_eq!(asked, [(0, 0), (1, 16)]);
+        assert_eq!(got.tokens, Some(32));
     }
 
     #[test]
@@ -1632,7 +1871,7 @@ mod tests {
             .unwrap();
         assert!(keep);
         assert_eq!(contained.len(), 1);
-        m.lookup("r", 0, |_| hit(0)).unwrap();
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
         let err = m
             .partial_tail("r", |_| Err(ChildFault::Raised("y".to_owned())))
             .unwrap_err();
@@ -1650,7 +1889,7 @@ mod tests {
     fn load_errors_take_back_tokens_from_the_first_bad_block() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         // 16 local tokens (block 0), 48 loaded into blocks 1..=3.
-        m.lookup("r", 16, |_| hit(48)).unwrap();
+        m.lookup("r", 16, |_, _| hit(48)).unwrap();
         m.allocated("r", 48, || Ok::<_, String>(vec![10, 11, 12, 13]), no_tell)
             .unwrap();
         assert_eq!(m.load_errors(|b| b == 10, |_| false), 0, "local block");
@@ -1666,7 +1905,7 @@ mod tests {
     #[test]
     fn failed_request_loses_every_loaded_token() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(32)).unwrap();
+        m.lookup("r", 0, |_, _| hit(32)).unwrap();
         m.allocated("r", 32, no_blocks, no_tell).unwrap();
         assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
         let f = finish_with(&m, "r", true, vec![done(false, None)]).unwrap();
@@ -1679,12 +1918,12 @@ mod tests {
     #[test]
     fn finish_and_forget_end_the_watch() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
-        m.lookup("r", 0, |_| hit(32)).unwrap();
+        m.lookup("r", 0, |_, _| hit(32)).unwrap();
         m.allocated("r", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
             .unwrap();
         finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
         assert!(!m.watching());
-        m.lookup("s", 0, |_| hit(32)).unwrap();
+        m.lookup("s", 0, |_, _| hit(32)).unwrap();
         m.allocated("s", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
             .unwrap();
         m.forget("s");
@@ -1695,12 +1934,12 @@ mod tests {
     fn interval_stats_wait_while_requests_live_and_flush_when_idle() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         let hour = std::time::Duration::from_secs(3600);
-        m.lookup("r", 0, |_| hit(16)).unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
         assert!(
             m.take_interval_every(hour).is_some(),
             "the first take is due"
         );
-        m.lookup("r", 0, |_| hit(16)).unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
         assert!(m.take_interval_every(hour).is_none(), "r is live: not due");
         finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
         let flushed = m.take_interval_every(hour).expect("idle: flushed");
@@ -1718,7 +1957,7 @@ mod tests {
             let n = savers.len();
             let m = mux(n, ClashPolicy::Error, LoadPolicy::First);
             if looked_up {
-                m.lookup("r", 0, |_| hit(0)).unwrap();
+                m.lookup("r", 0, |_, _| hit(0)).unwrap();
             }
             let res = m.finish("r", |_| hook::FINISHED, want(false), own, |i| {
                 if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }

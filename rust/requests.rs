@@ -26,10 +26,13 @@ pub enum LoadPolicy {
     First,
     /// The child with the most matched tokens; ties go to the earlier child.
     Longest,
+    /// Every child in order, each asked for the tokens after the earlier
+    /// children's hits and loading only its own span of them.
+    Compose,
 }
 
 impl LoadPolicy {
-    pub const ALL: [&'static str; 2] = ["first", "longest"];
+    pub const ALL: [&'static str; 3] = ["first", "longest", "compose"];
 }
 
 impl FromStr for LoadPolicy {
@@ -38,6 +41,7 @@ impl FromStr for LoadPolicy {
         match s {
             "first" => Ok(LoadPolicy::First),
             "longest" => Ok(LoadPolicy::Longest),
+            "compose" => Ok(LoadPolicy::Compose),
             other => Err(format!(
                 "unknown load_policy {other:?}; use one of {:?}",
                 LoadPolicy::ALL
@@ -64,13 +68,24 @@ pub struct Lookup {
     pub chosen: Option<usize>,
 }
 
-/// Pick the loading child among ready answers.
+/// Pick the loading child among ready answers. With [`LoadPolicy::Compose`]
+/// the answers are consecutive spans: every child with tokens loads its
+/// own, the first of them is `chosen`, and the load is asynchronous when
+/// any of them is.
 pub fn choose(policy: LoadPolicy, matches: &[ChildMatch]) -> Lookup {
     if matches.iter().any(|m| m.tokens.is_none()) {
         return Lookup {
             tokens: None,
             load_async: false,
             chosen: None,
+        };
+    }
+    if policy == LoadPolicy::Compose {
+        let loaders = || matches.iter().filter(|m| m.tokens.unwrap_or(0) > 0);
+        return Lookup {
+            tokens: Some(loaders().map(|m| m.tokens.unwrap_or(0)).sum()),
+            load_async: loaders().any(|m| m.load_async),
+            chosen: matches.iter().position(|m| m.tokens.unwrap_or(0) > 0),
         };
     }
     let mut best: Option<(usize, u64)> = None;
@@ -140,6 +155,17 @@ fn all_children(n: usize) -> u64 {
     }
 }
 
+/// Who a lookup asked, for [`RequestTable::lookup_at`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Asked {
+    /// When the request was first looked up (kept from the first call).
+    pub since: Option<Instant>,
+    /// Children out of the request's lookups (added).
+    pub excluded: u64,
+    /// Children asked (they take part in the request; added).
+    pub asked: u64,
+}
+
 /// The per-request table.
 #[derive(Debug, Default)]
 pub struct RequestTable {
@@ -179,21 +205,31 @@ impl RequestTable {
         policy: LoadPolicy,
         matches: &[ChildMatch],
     ) -> Lookup {
-        self.lookup_at(req_id, local_hit_tokens, policy, matches, None, 0)
+        let asked = all_children(matches.len());
+        let who = Asked {
+            since: None,
+            excluded: 0,
+            asked,
+        };
+        self.lookup_at(req_id, local_hit_tokens, policy, matches, who)
     }
 
-    /// [`RequestTable::lookup`], also recording when the request was first
-    /// looked up (`since`, kept from the first call) and the children that
-    /// are out of its lookups (`excluded`, added).
+    /// [`RequestTable::lookup`], also recording who was asked ([`Asked`]:
+    /// when the request was first looked up, the children out of its
+    /// lookups, the children that take part).
     pub fn lookup_at(
         &self,
         req_id: &str,
         local_hit_tokens: u64,
         policy: LoadPolicy,
         matches: &[ChildMatch],
-        since: Option<Instant>,
-        excluded: u64,
+        who: Asked,
     ) -> Lookup {
+        let Asked {
+            since,
+            excluded,
+            asked,
+        } = who;
         let decision = choose(policy, matches);
         self.update(req_id, |st| {
             st.first_lookup = st.first_lookup.or(since);
@@ -201,7 +237,7 @@ impl RequestTable {
                 self.excluding.fetch_add(1, Relaxed);
             }
             st.excluded |= excluded;
-            st.took_part |= all_children(matches.len());
+            st.took_part |= asked;
             st.local_hit_tokens = local_hit_tokens;
             if decision.tokens.is_some() {
                 st.chosen = decision.chosen;
@@ -213,23 +249,30 @@ impl RequestTable {
     }
 
     /// A whole `update_state_after_alloc` event. Returns the child that gets
-    /// `num_external` (the others get 0) and whether it loads
-    /// asynchronously. vLLM calls this again with 0 once an async load is
-    /// done; that second call keeps the loaded count.
+    /// `num_external` (the others get 0), whether it loads asynchronously,
+    /// and the children that took part in the request (those asked on a
+    /// lookup; all of them for a request never looked up, who then take
+    /// part). vLLM calls this again with 0 once an async load is done; that
+    /// second call keeps the loaded count.
+    #[allow(clippy::type_complexity)]
     pub fn allocated(
         &self,
         req_id: &str,
         n_children: usize,
         num_external: u64,
-    ) -> Option<(usize, bool)> {
+    ) -> (Option<(usize, bool)>, u64) {
         self.update(req_id, |st| {
-            st.took_part |= all_children(n_children);
+            if st.took_part == 0 {
+                st.took_part = all_children(n_children);
+            }
             if num_external > 0 {
                 st.loaded_tokens = num_external;
             }
-            st.chosen
+            let planned = st
+                .chosen
                 .filter(|_| num_external > 0)
-                .map(|c| (c, st.load_async))
+                .map(|c| (c, st.load_async));
+            (planned, st.took_part)
         })
     }
 
@@ -338,6 +381,24 @@ mod tests {
     }
 
     #[test]
+    fn compose_sums_the_spans_and_loads_async_if_any_loader_does() {
+        let got = choose(
+            LoadPolicy::Compose,
+            &[m(Some(0), false), m(Some(32), false), m(Some(16), true)],
+        );
+        assert_eq!(
+            (got.tokens, got.chosen, got.load_async),
+            (Some(48), Some(1), true)
+        );
+        let none = choose(LoadPolicy::Compose, &[m(Some(0), false), m(Some(0), false)]);
+        assert_eq!((none.tokens, none.chosen), (Some(0), None));
+        assert_eq!(
+            choose(LoadPolicy::Compose, &[m(Some(16), false), m(None, false)]).tokens,
+            None
+        );
+    }
+
+    #[test]
     fn lifecycle_records_then_finish_removes() {
         let t = RequestTable::new();
         t.lookup(
@@ -346,9 +407,9 @@ mod tests {
             LoadPolicy::First,
             &[m(Some(0), false), m(Some(48), false)],
         );
-        assert_eq!(t.allocated("r", 2, 48), Some((1, false)));
+        assert_eq!(t.allocated("r", 2, 48), (Some((1, false)), 0b11));
         // The second call vLLM makes after an async load keeps the count.
-        assert_eq!(t.allocated("r", 2, 0), None);
+        assert_eq!(t.allocated("r", 2, 0), (None, 0b11));
         let st = t.finish("r").unwrap();
         assert_eq!(
             (st.chosen, st.local_hit_tokens, st.loaded_tokens),

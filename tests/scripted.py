@@ -56,6 +56,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.script: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
         self.calls: list[tuple[str, Any]] = []
         self._lookups: defaultdict[str, int] = defaultdict(int)
+        self._asked_from: dict[str, int] = {}  # num_computed_tokens of the last lookup
         self.layers_seen: list[str] = []
         self.completed: list[str] = []  # async saves reported done, in order
         self.announced: set[str] = set()  # worker: async saves it was told of
@@ -78,6 +79,7 @@ class ScriptedConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         self._maybe_fail("get_num_new_matched_tokens")
         self.calls.append(("lookup", request.request_id))
+        self._asked_from[request.request_id] = num_computed_tokens
         n = self._lookups[request.request_id]
         self._lookups[request.request_id] += 1
         if n < self.script.get("not_ready", 0):
@@ -93,7 +95,10 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._maybe_fail("update_state_after_alloc")
         self.calls.append(("alloc", (request.request_id, num_external_tokens)))
         if num_external_tokens > 0 and blocks is not None:
-            first = request.num_computed_tokens // self._block_size
+            # Its span starts where its lookup was asked from (under kvmux's
+            # compose, after the children before it).
+            start = self._asked_from.get(request.request_id, request.num_computed_tokens)
+            first = start // self._block_size
             n = num_external_tokens // self._block_size
             self._loads.extend(blocks.get_block_ids()[0][first : first + n])
         if num_external_tokens > 0 and self.script.get("load_async"):

@@ -43,8 +43,16 @@ ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY,
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
 NAME_KEY = "name"
+#: ``load_policy: "compose"``: a child entry's ``true`` declares that the
+#: child loads only the span after the ``num_computed_tokens`` its lookup was
+#: given, so it may follow other children.
+SPANS_KEY = "loads_spans"
+#: Children measured to load a span correctly (``tests/test_compose.py``);
+#: any other may only be the first child under ``compose``, unless its
+#: entry sets :data:`SPANS_KEY`.
+SPAN_LOADERS = ("KvmuxHostCache", "LMCacheMPConnector")
 #: The keys of a child's entry that are kvmux's, not the child's.
-CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS)
+CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
@@ -140,6 +148,7 @@ class _RawChild:
     cls: type
     lookup_timeout_ms: float | None
     breaker: BreakerSpec | None
+    loads_spans: bool
 
 
 def _timeout(raw: Mapping[str, Any], where: str, problems: list[str]) -> float | None:
@@ -279,7 +288,11 @@ def _child(
     own_timeout = _timeout(raw, f"{where}: ", problems)
     timeout = own_timeout if LOOKUP_TIMEOUT_KEY in raw else default_timeout
     breaker = _breaker(raw, f"{where}: ", problems, default_breaker)
-    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker)
+    spans = raw.get(SPANS_KEY, cls_name in SPAN_LOADERS)
+    if not isinstance(spans, bool):
+        problems.append(f"{where}: {SPANS_KEY!r} must be true or false, got {spans!r}")
+        return None
+    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker, spans)
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -330,6 +343,16 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             if got is not None:
                 children.append(got)
     names = _names(children, problems)
+    if load == "compose":
+        problems.extend(
+            f"connectors[{c.index}] ({c.cls_name}) is not known to load a span of a prefix "
+            "(one that starts after what the children before it supply), so under "
+            'load_policy "compose" it can only be connectors[0]; move it first, or set '
+            f'"{SPANS_KEY}": true in its entry if it loads from the num_computed_tokens its '
+            f"get_num_new_matched_tokens was given (measured to: {', '.join(SPAN_LOADERS)})"
+            for c in children[1:]
+            if not c.loads_spans
+        )
     if problems:
         raise KvmuxConfigError(problems)
     specs = tuple(
