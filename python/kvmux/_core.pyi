@@ -106,13 +106,14 @@ class Mux:
     ) -> None:
         """Worker side: the completions the metadata announces (``saves``:
         request id -> (bit set of the saving children, completions needed);
-        ``loads``: request id -> the loading child)."""
+        ``loads``: request id -> bit set of the async loaders)."""
     def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
         """Worker side: each child's finished-sending ids (config order) ->
         the requests finished sending now; strays dropped and counted."""
     def complete_recvs(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
         """Worker side: each child's finished (or failed) receiving ids ->
-        those of the loading child; strays dropped and counted."""
+        the requests every async loader has reported; strays dropped and
+        counted."""
     def pending_sends(self) -> int: ...
     def pending_recvs(self) -> int: ...
     def count_load_failures(self, blocks: int) -> None: ...

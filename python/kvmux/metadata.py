@@ -24,8 +24,10 @@ class KvmuxMetadata(KVConnectorMetadata):
     the workers wait for: all of them, or 1 for a request kvmux never
     tracked). A completion from another child is dropped (``rust/completions.rs``)."""
     loads: dict[str, int] | None = None
-    """Requests loading asynchronously from this step on: request id -> the
-    loading child, the only one whose receive completion reaches vLLM."""
+    """Requests loading asynchronously from this step on: request id -> bit
+    set of the children loading it asynchronously (one, or several spans
+    under ``compose``); the request is finished receiving once each
+    reported it, and no other child's receive completion reaches vLLM."""
 
 
 @dataclass
