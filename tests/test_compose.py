@@ -105,3 +105,49 @@ def test_a_failed_span_is_recomputed_from_its_first_block_never_a_hole(make_sim)
     assert kv_is_exact(d, "C", PREFIX)
     run(d)
     assert d.finished["C"][BY_CHILD_KEY][HOST] == 32
+
+
+def promoted(lmcache_server, build, promote: bool):
+    """B and C share a prefix only LMCache holds; vLLM's own cache and the
+    device KV are wiped before each."""
+    host = host_child()
+    host["kv_connector_extra_config"]["promote"] = promote
+    d = build([host, lmcache_server.child()])
+    other = build([lmcache_server.child()])  # LMCache alone holds the prefix
+    store_prefix(other, "A", PREFIX)
+    for rid, tail in (("B", [9] * 5), ("C", [8] * 5)):
+        wipe_device(d)
+        r = d.add(rid, PREFIX + tail, kv_transfer_params=WANT)
+        step_until_computed(d, r, len(PREFIX))
+        assert kv_is_exact(d, rid, PREFIX)
+        run(d)
+    return d
+
+
+def test_a_prefix_lmcache_served_once_is_served_by_the_host_tier_next(
+    lmcache_server,
+    make_sim,  # noqa: F811
+):
+    """Promotion: the blocks LMCache loaded are saved into the host tier as
+    they arrive, so the next request for the prefix is served from host
+    memory (byte-exact both times)."""
+    d = promoted(lmcache_server, make_sim, promote=True)
+    assert d.finished["B"][BY_CHILD_KEY] == {HOST: 0, LM: 48, LOCAL_KEY: 0}
+    assert d.finished["C"][BY_CHILD_KEY] == {HOST: 48, LM: 0, LOCAL_KEY: 0}
+    promoted_blocks = sum(
+        s.get("children", {}).get(HOST, {}).get("data", {}).get("promoted_blocks", 0)
+        for s in d.kv_stats
+    )
+    assert promoted_blocks == 3
+
+
+def test_with_promote_off_lmcache_serves_it_again(lmcache_server, make_sim):  # noqa: F811
+    d = promoted(lmcache_server, make_sim, promote=False)
+    assert d.finished["C"][BY_CHILD_KEY] == {HOST: 0, LM: 48, LOCAL_KEY: 0}
+
+
+def test_promote_must_be_a_bool():
+    host = host_child()
+    host["kv_connector_extra_config"]["promote"] = "yes"
+    with pytest.raises(KvmuxConfigError, match="promote must be true or false"):
+        parse_mux_config(mux_config([host]))

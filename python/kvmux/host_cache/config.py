@@ -1,4 +1,5 @@
-"""``kv_connector_extra_config`` of ``KvmuxHostCache``: its capacity."""
+"""``kv_connector_extra_config`` of ``KvmuxHostCache``: its capacity, and
+whether it promotes blocks other children loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvmux.errors import KvmuxConfigError
 __all__ = ["HostCacheConfig", "parse_host_cache_config"]
 
 GIB = 1 << 30
-ALLOWED = ("capacity_gib", "num_blocks")
+ALLOWED = ("capacity_gib", "num_blocks", "promote")
 EXAMPLE = '{"capacity_gib": 8} or {"num_blocks": 4096}'
 
 
@@ -19,6 +20,10 @@ EXAMPLE = '{"capacity_gib": 8} or {"num_blocks": 4096}'
 class HostCacheConfig:
     capacity_gib: float | None
     num_blocks: int | None
+    promote: bool = True
+    """Save the blocks another child loaded (the next request for the prefix
+    is then served from host memory); False: only the blocks the engine
+    computes."""
 
     def num_slots(self, block_bytes: int) -> int:
         """Host slots for blocks of ``block_bytes`` bytes (one block of every
@@ -62,9 +67,13 @@ def parse_host_cache_config(extra: Any) -> HostCacheConfig:
         isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1
     ):
         problems.append(f"KvmuxHostCache: num_blocks must be a positive integer, got {blocks!r}")
+    promote = extra.get("promote", True)
+    if not isinstance(promote, bool):
+        problems.append(f"KvmuxHostCache: promote must be true or false, got {promote!r}")
     if problems:
         raise KvmuxConfigError(problems)
     return HostCacheConfig(
         capacity_gib=float(gib) if gib is not None else None,
         num_blocks=int(blocks) if blocks is not None else None,
+        promote=promote,
     )

@@ -83,6 +83,7 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
                 self.layout.windows,
                 [g.kind for g in self.layout.groups],
                 events,
+                promote=cfg.promote,
             )
         else:
             self._worker = HostCacheWorker(

@@ -86,6 +86,10 @@ class _Req:
     """Blocks this request added to the tier (all groups)."""
     offer: list[tuple[int, list[int]]] = field(default_factory=list)
     """The latest lookup's pinned slots, per group: (first block, slots)."""
+    scheduled: bool = False
+    """It was scheduled once (what it held then is known)."""
+    promoted: tuple[int, int] = (0, 0)
+    """Blocks [first, end) another child loaded for it."""
     junctions: set[int] = field(default_factory=set)
     """Block boundaries where the request joined a prefix cached before it:
     the windowed groups keep the window before each."""
@@ -109,11 +113,13 @@ class HostCacheScheduler:
         windows: Sequence[int | None] = (None,),
         kinds: Sequence[str] | None = None,
         events: HostEvents | None = None,
+        promote: bool = True,
     ) -> None:
         """``windows``: per KV cache group, None for full attention, else the
         blocks the group reads before a resume point; ``kinds``: the groups'
         kinds, for the stats (see ``layout.py``); ``events``: the tier's KV
-        cache events, when vLLM's are on (``events.py``)."""
+        cache events, when vLLM's are on (``events.py``); ``promote``: save
+        the blocks other children loaded too."""
         self.block_size = block_size
         self.windows = list(windows)
         self.kinds = (
@@ -137,6 +143,7 @@ class HostCacheScheduler:
         self._load_acks: Counter[int] = Counter()
         self.stats = HostCacheStats()
         self.events = events
+        self.promote = promote
 
     # -------------------------------------------------------------- keys
 
@@ -310,6 +317,14 @@ class HostCacheScheduler:
             st = self._reqs.get(req_id)
             if st is None:
                 continue
+            if not st.scheduled:
+                # What it holds before its first step beyond vLLM's local
+                # hit and this tier's own load, another child loaded.
+                st.scheduled = True
+                end = st.request.num_computed_tokens // bs
+                st.promoted = ((st.lookup_computed + st.loaded_tokens) // bs, end)
+                if not self.promote:
+                    st.saved_blocks = max(st.saved_blocks, end)
             # Decode steps rarely fill a block: decide before touching any key.
             full = min((st.request.num_computed_tokens + n_sched) // bs, self.num_keys(st.request))
             if full <= st.saved_blocks:
@@ -332,6 +347,11 @@ class HostCacheScheduler:
                     continue
                 if sub is not None:
                     positions = [sub[p] for p in positions]
+                lo, hi = st.promoted
+                if g == 0 and hi > lo:
+                    self.stats.add(
+                        "promoted_blocks", sum(1 for p in positions if lo <= first + p < hi)
+                    )
                 if self.events is not None:
                     self.events.reserved(
                         st.request, self.keys(st.request), g, [first + p for p in positions], slots

@@ -18,6 +18,7 @@ COUNTERS = (
     "bytes_saved",  # device -> host bytes
     "bytes_loaded",  # host -> device bytes
     "load_errors",  # blocks that could not be loaded (vLLM recomputes them)
+    "promoted_blocks",  # blocks another child loaded, saved here (promote)
 )
 
 #: Per KV cache group ``g``, as ``group<g>.<counter>``, for any layout but
