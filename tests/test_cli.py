@@ -68,6 +68,7 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         ("P4", "plain contiguous torch copy"),
         ("P1h", "MultiConnector"),
         ("S1", "MultiConnector"),
+        ("C1", "load_policy first"),
     ):
         assert any(line.startswith(key + " ") for line in proc.stdout.splitlines()), key
         assert f"{key}: per op" in proc.stdout and rival in proc.stdout
@@ -75,7 +76,17 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
 
     doc = json.loads(out_json.read_text())
     results = {r["key"]: r for r in doc["results"]}
-    assert list(results) == ["P1", "P2", "P3", "P4", "P1h", "S1 p50", "S1 p99"]
+    assert list(results) == [
+        "P1",
+        "P2",
+        "P3",
+        "P4",
+        "P1h",
+        "S1 p50",
+        "S1 p99",
+        "C1 vs first",
+        "C1 vs longest",
+    ]
     p1h = results["P1h"]
     assert p1h["target"] is None and p1h["notes"]["host_lookup_hits"] > 0
     # S1: time to schedule, p50 and p99, for both sides, in rows of their own.
@@ -87,4 +98,18 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         assert min(row["rival_s"]) >= row["notes"]["stall_ms"] / 1000  # waited out the stall
         assert row["kvmux_median_s"] < row["rival_median_s"]  # the deadline cut it short
     assert results["S1 p50"]["notes"]["kvmux_lookup_timeouts"] > 0
+    # C1: compose against first and longest, the bytes each tier moved.
+    for rival in ("first", "longest"):
+        row = results[f"C1 vs {rival}"]
+        assert row["case"] == "C1" and row["quantity"] == f"vs {rival}"
+        assert any(line.startswith(f"C1 vs {rival} ") for line in proc.stdout.splitlines())
+        assert len(row["kvmux_s"]) == len(row["rival_s"]) == row["repeats"] > 0
+    moved = results["C1 vs first"]["notes"]["moved"]
+    half = moved["compose"]["bytes_loaded"]["host"]
+    assert half > 0 and moved["compose"]["bytes_loaded"]["tier2"] == half  # [0, a), [a, b)
+    assert moved["first"]["bytes_loaded"] == {"host": half, "tier2": 0}
+    assert moved["longest"]["bytes_loaded"] == {"host": 0, "tier2": 2 * half}
+    assert moved["first"]["recomputed_tokens"] > moved["compose"]["recomputed_tokens"]
+    for policy in ("compose", "first", "longest"):
+        assert any(line.startswith(f"C1 {policy} ") for line in proc.stdout.splitlines())
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,8 +1,10 @@
 """kvmux's benchmarks against what users would pick instead
 (``python -m kvmux bench``).
 
-Each comparison (P1..P4, P1h: P1 with the host tier as its one child, and
-S1: requests' time to schedule while one child stalls) puts kvmux and its
+Each comparison (P1..P4, P1h: P1 with the host tier as its one child,
+S1: requests' time to schedule while one child stalls, and C1: the time to
+load prefixes split between two tiers with ``load_policy`` compose against
+first and longest) puts kvmux and its
 rival side by side in one process, on the same children and inputs, built
 through vLLM's real classes, and reports the ratio of their times: on a
 noisy machine absolute times mean little, ratios measured in one run mean a
@@ -21,4 +23,5 @@ CASES = {
     "P4": "kvmux.bench.copies",
     "P1h": "kvmux.bench.host_lifecycle",
     "S1": "kvmux.bench.stall",
+    "C1": "kvmux.bench.compose",
 }

@@ -12,7 +12,7 @@ __all__ = ["Case"]
 @dataclass
 class Case:
     key: str
-    """Short id: P1..P4, P1h, S1."""
+    """Short id: P1..P4, P1h, S1, C1."""
     title: str
     kvmux: Callable[[], object]
     """One operation through kvmux."""
@@ -45,3 +45,6 @@ class Case:
     """Raises if the two sides did not do the same work (run once, untimed)."""
     notes: dict[str, Any] = field(default_factory=dict)
     """Sizes and the code paths timed, for the JSON and the table's footer."""
+    footer: list[str] = field(default_factory=list)
+    """Lines printed under the table after the case's own (C1: the bytes each
+    tier moved per configuration); ``check`` may fill them."""

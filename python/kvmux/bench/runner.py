@@ -175,6 +175,7 @@ def format_table(results: Sequence[Result]) -> str:
         footed.add(c.key)
         figure = "rival time / kvmux time" if c.higher_is_better else "kvmux time / rival time"
         lines.append(f"{c.key}: per op = {c.unit}; rival = {c.rival_name}; ratio = {figure}")
+        lines.extend(c.footer)
     lines.append(
         "ratio: median of per-repeat paired ratios [interquartile range]; "
         "spread: IQR / median of the times"
@@ -233,7 +234,9 @@ def write_plot(path: str | Path, results: Sequence[Result]) -> None:
         ax.text(med, y, f"  {med:.3f}", va="center")
     ax.set_yticks(ys, labels, fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("ratio (P1-P3, P1h, S1: kvmux/rival, lower is better; P4: fraction of the limit)")
+    ax.set_xlabel(
+        "ratio (P1-P3, P1h, S1, C1: kvmux/rival, lower is better; P4: fraction of the limit)"
+    )
     ax.set_title("kvmux vs rivals, same run (dashed: target)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
