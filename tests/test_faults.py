@@ -319,3 +319,19 @@ def test_bad_config_matrix_is_refused_the_same_under_python_O():
         assert kind == "KvmuxConfigError", (case, kind, msg)
         for w in words:
             assert w in msg, (case, msg)
+
+
+def test_kvmuxs_child_keys_under_the_multiconnector_name_are_refused_with_the_fix():
+    """vLLM parses every child entry itself under the name MultiConnector
+    (its HMA check) and would fail on kvmux's keys with a bare pydantic
+    error; kvmux names the key and both fixes first."""
+    ktc = mux_config([{**scripted(), "lookup_timeout_ms": 100}], name="MultiConnector")
+    with pytest.raises(KvmuxConfigError) as err:
+        KvmuxConnector.validate_transfer_config(ktc)
+    text = str(err.value)
+    assert "connectors[0] sets 'lookup_timeout_ms'" in text
+    assert "kv_connector_extra_config" in text and '"KvmuxConnector"' in text
+    # Global, it is accepted under that name.
+    KvmuxConnector.validate_transfer_config(
+        mux_config([scripted()], name="MultiConnector", lookup_timeout_ms=100)
+    )

@@ -343,6 +343,19 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             if got is not None:
                 children.append(got)
     names = _names(children, problems)
+    if kv_transfer_config.kv_connector == "MultiConnector" and isinstance(raw_children, list):
+        # vLLM builds each child's KVTransferConfig itself under this name
+        # (its HMA check) and refuses any key it does not know.
+        problems.extend(
+            f"connectors[{i}] sets {k!r}, which vLLM refuses under the connector name "
+            '"MultiConnector" (it parses each child entry itself); set it in '
+            "kv_connector_extra_config for every child instead, or name the connector "
+            '"KvmuxConnector"'
+            for i, raw in enumerate(raw_children)
+            if isinstance(raw, Mapping)
+            for k in CHILD_KEYS
+            if k in raw
+        )
     if load == "compose":
         problems.extend(
             f"connectors[{c.index}] ({c.cls_name}) is not known to load a span of a prefix "
