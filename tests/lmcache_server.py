@@ -149,14 +149,22 @@ class LMCacheServer:
         }
 
 
+class TimeLimitExceeded(BaseException):
+    """A :func:`time_limit` ran out. Not an ``Exception``: LMCache catches
+    ``TimeoutError`` around its own waits (a PREPARE_STORE waiting for a dead
+    server, say) and kvmux wraps a child's ``Exception`` in
+    ``KvmuxChildError``; neither may swallow or rename this one."""
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str = "test") -> Iterator[None]:
-    """Raise ``TimeoutError`` in the main thread if the block runs longer than
-    ``seconds``: a fault test can fail, never hang CI. (SIGALRM interrupts
-    blocking waits; the tests run in pytest's main thread.)"""
+    """Raise :class:`TimeLimitExceeded` in the main thread if the block runs
+    longer than ``seconds``: a fault test can fail, never hang CI. (SIGALRM
+    interrupts blocking waits; the tests run in pytest's main thread.) Not
+    nestable: an inner limit ends the outer one."""
 
     def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"{what} ran longer than {seconds} s")
+        raise TimeLimitExceeded(f"{what} ran longer than {seconds} s")
 
     old = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
