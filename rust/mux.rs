@@ -376,19 +376,20 @@ impl Mux {
         };
         // Children already out of this request's lookups, and when it was
         // first looked up (for deadlines); read only when either can matter.
-        let (now, since, mut excluded) =
+        let (now, since, mut excluded, took_part) =
             if self.any_deadline || self.breakers.any_tripped() || self.table.any_excluded() {
                 let prev = self.table.get(req_id);
                 let excluded = prev.map_or(0, |s| s.excluded);
+                let took_part = prev.map_or(0, |s| s.took_part);
                 if self.any_deadline {
                     let now = Instant::now();
                     let since = prev.and_then(|s| s.first_lookup).unwrap_or(now);
-                    (Some(now), Some(since), excluded)
+                    (Some(now), Some(since), excluded, took_part)
                 } else {
-                    (None, None, excluded)
+                    (None, None, excluded, took_part)
                 }
             } else {
-                (None, None, 0)
+                (None, None, 0, 0)
             };
         let miss = ChildMatch {
             tokens: Some(0),
@@ -415,9 +416,19 @@ impl Mux {
                 continue;
             }
             if !self.breakers.admit(i, req_id) {
+                // Not waited for. A child never asked about this request is
+                // still told of it once (its answer ignored): a child that
+                // keeps per-request state from its lookup (LMCache's) fails
+                // on a request it meets later without one.
                 *slot = miss;
                 excluded |= bit;
                 self.counters.child(i, Child::BreakerSkips, 1);
+                if took_part & bit == 0 {
+                    asked |= bit;
+                    if ask(i, num_computed_tokens + offset).is_err() {
+                        self.counters.child(i, Child::LookupErrors, 1);
+                    }
+                }
                 continue;
             }
             asked |= bit;
@@ -1187,44 +1198,49 @@ mod tests {
             m.take_breaker_changes(),
             Some(vec![Some(State::Open), None])
         );
-        // While open, a new request does not ask it and is not held.
+        // While open, a new request is not held by it: it is told of the
+        // request once (a child may keep per-request state from its
+        // lookup), its answer ignored, and not asked again.
+        let mut asked = vec![];
         let got = m
             .lookup("c", 0, |i, _| {
-                assert_ne!(i, 0, "an open breaker's child is not asked");
-                hit(16)
+                asked.push(i);
+                if i == 0 {
+                    not_ready()
+                } else {
+                    hit(16)
+                }
             })
             .unwrap();
         assert_eq!((got.tokens, got.chosen), (Some(16), Some(1)));
         assert_eq!(count(&m, 0, Child::BreakerSkips), 1);
-        // Never asked about "c", it is not told of its allocation (a child
-        // such as LMCache's fails on a request it never looked up); it still
-        // gets the finish, and a failure there is contained.
+        m.lookup("c", 0, |i, _| {
+            asked.push(i);
+            hit(16)
+        })
+        .unwrap();
+        assert_eq!(asked, [0, 1, 1], "told once, then not asked");
+        // It takes part: it gets the allocation (0 tokens) and the finish.
         let mut told = vec![];
         m.allocated("c", 16, no_blocks, |i, n| {
             told.push((i, n));
             Ok(())
         })
         .unwrap();
-        assert_eq!(told, [(1, 16)]);
+        assert_eq!(told, [(0, 0), (1, 16)]);
         let mut finished = vec![];
-        let f = m
-            .finish(
-                "c",
-                |_| hook::FINISHED,
-                want(false),
-                own,
-                |i| {
-                    finished.push(i);
-                    if i == 0 {
-                        Err(ChildFault::Raised("no tracker".into()))
-                    } else {
-                        done(false, None)
-                    }
-                },
-            )
-            .unwrap();
+        m.finish(
+            "c",
+            |_| hook::FINISHED,
+            want(false),
+            own,
+            |i| {
+                finished.push(i);
+                done(false, None)
+            },
+        )
+        .unwrap();
         assert_eq!(finished, [0, 1]);
-        assert_eq!(f.contained.len(), 1);
         // A request that asked it before it opened still tells it.
         let mut told = vec![];
         m.allocated("a", 0, no_blocks, |i, n| {
@@ -1262,11 +1278,14 @@ mod tests {
         m.lookup("p", 0, |i, _| if i == 0 { not_ready() } else { hit(0) })
             .unwrap();
         assert_eq!(m.breaker(0), Some(State::HalfOpen));
-        m.lookup("q", 0, |i, _| {
-            assert_ne!(i, 0, "only the probe asks");
-            hit(0)
-        })
-        .unwrap();
+        // Another request tells it once, but its answer does not count.
+        m.lookup("q", 0, |i, _| hit(if i == 0 { 64 } else { 0 }))
+            .unwrap();
+        assert_eq!(
+            m.breaker(0),
+            Some(State::HalfOpen),
+            "only the probe's answer counts"
+        );
         // The probe ends unanswered: the next request probes.
         finish_with(&m, "p", false, vec![done(false, None), done(false, None)]).unwrap();
         m.lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })

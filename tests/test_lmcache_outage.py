@@ -92,7 +92,6 @@ from typing import Any
 
 import pytest
 
-from kvmux import KvmuxChildError
 from tests.delay_proxy import DelayProxy
 from tests.harness import SchedulerSim, mux_config
 from tests.lmcache_server import LMCacheServer, TimeLimitExceeded, time_limit
@@ -124,22 +123,6 @@ HEARTBEAT_S = 3.0
 #: Two missed deadlines open it; the first cooldown is long enough that the
 #: next request (added right after) still finds it open on a busy machine.
 BREAKER = {"breaker_failures": 2, "breaker_cooldown_ms": 2000, "breaker_max_cooldown_ms": 4000}
-
-#: The breaker tests fail today, and only this way: with LMCache's breaker
-#: open, kvmux does not ask LMCache about a new request but still hands it
-#: the request in ``build_connector_meta``, where LMCache asserts it has a
-#: tracker (see the module docstring), and the error leaves the scheduler.
-#: Strict: once kvmux asks a skipped child once (or hides the request from
-#: it), these pass and the marker must go.
-BREAKER_OPEN_CRASHES_LMCACHE = pytest.mark.xfail(
-    strict=True,
-    raises=KvmuxChildError,
-    reason=(
-        "kvmux's open breaker skips LMCache's lookup for a new request, then passes the "
-        "request to LMCache's build_connector_meta: 'Request tracker for request_id ... "
-        "not found' leaves the scheduler"
-    ),
-)
 
 
 def lm_child(server: LMCacheServer, port: int | None = None, **kvmux: Any) -> dict[str, Any]:
@@ -388,7 +371,6 @@ def test_server_killed_requests_start_within_the_deadline(own_lmcache_server, ma
     assert d.connector.mux_stats()["children"][HOST]["loads"] == 2
 
 
-@BREAKER_OPEN_CRASHES_LMCACHE
 def test_the_breaker_opens_while_the_server_is_down_and_lmcache_serves_again_after(
     own_lmcache_server, make_sim
 ):
@@ -420,7 +402,6 @@ def test_the_breaker_opens_while_the_server_is_down_and_lmcache_serves_again_aft
 # ------------------------------------------------------- the slow server
 
 
-@BREAKER_OPEN_CRASHES_LMCACHE
 def test_a_slow_server_the_deadline_holds_and_lmcache_serves_once_fast_again(
     lmcache_server, proxy, make_sim
 ):
@@ -442,7 +423,6 @@ def test_a_slow_server_the_deadline_holds_and_lmcache_serves_once_fast_again(
     lmcache_serves_again(d, store=False)  # it still has A's prefix
 
 
-@BREAKER_OPEN_CRASHES_LMCACHE
 def test_a_hung_server_the_deadline_holds_and_lmcache_serves_once_it_answers(
     lmcache_server, proxy, make_sim
 ):
