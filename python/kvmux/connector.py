@@ -172,13 +172,16 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.mux.pending_sends() if self._worker is not None else 0
 
     def num_pending_async_loads(self) -> int:
-        """Worker side: requests still waiting for their async load's
-        completion from the child that loads them (0 on the scheduler)."""
+        """Worker side: requests still waiting for an async load's completion
+        from a child that loads them (0 on the scheduler)."""
         return self._worker.mux.pending_recvs() if self._worker is not None else 0
 
     def mux_stats(self) -> dict[str, Any]:
-        """kvmux's own counters on this side: per child lookups, hits, loads;
-        finished requests, extra cached tokens, clashes, live requests."""
+        """kvmux's own counters on this side: per child lookups, hits, loads,
+        timeouts, breaker openings, completions...; finished requests, extra
+        cached tokens, clashes, live requests, pending async saves; and
+        ``breakers``: each child's breaker state (``"closed"``, ``"open"``,
+        ``"half_open"``)."""
         side = self._scheduler or self._worker
         if side is None:  # pragma: no cover - one side is always built
             raise RuntimeError("kvmux connector has no side")
