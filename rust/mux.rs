@@ -1031,6 +1031,26 @@ mod tests {
         Ok(P(vec![(EXTRA_KEY, s.extra as i64)]))
     }
 
+    /// Finish `req` asking for both own params; what the mux credited.
+    fn supplied(m: &Mux, req: &str) -> Supplied {
+        let mut got = None;
+        m.finish(
+            req,
+            |_| hook::FINISHED,
+            Want {
+                extra: true,
+                by_child: true,
+            },
+            |s: &Supplied| {
+                got = Some(s.clone());
+                own(s)
+            },
+            |_| done(false, None),
+        )
+        .unwrap();
+        got.unwrap()
+    }
+
     fn want(extra: bool) -> Want {
         Want {
             extra,
@@ -1684,22 +1704,7 @@ mod tests {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
         m.lookup("r", 16, |i, _| hit([0, 48, 32][i])).unwrap();
         m.allocated("r", 48, no_blocks, no_tell).unwrap();
-        let mut got = None;
-        m.finish(
-            "r",
-            |_| hook::FINISHED,
-            Want {
-                extra: true,
-                by_child: true,
-            },
-            |s: &Supplied| {
-                got = Some(s.clone());
-                own(s)
-            },
-            |_| done(false, None),
-        )
-        .unwrap();
-        let s = got.unwrap();
+        let s = supplied(&m, "r");
         assert_eq!((s.extra, s.local), (48, 16));
         assert_eq!(s.by_child, [0, 48, 0]);
         assert_eq!(s.by_child.iter().sum::<u64>(), s.extra);
@@ -1746,22 +1751,7 @@ mod tests {
             Some(&0b10),
             "child 1 loads async"
         );
-        let mut got = None;
-        m.finish(
-            "r",
-            |_| hook::FINISHED,
-            Want {
-                extra: true,
-                by_child: true,
-            },
-            |s: &Supplied| {
-                got = Some(s.clone());
-                own(s)
-            },
-            |_| done(false, None),
-        )
-        .unwrap();
-        let s = got.unwrap();
+        let s = supplied(&m, "r");
         assert_eq!((s.by_child, s.extra, s.local), (vec![32, 32, 0], 64, 16));
         assert_eq!(m.live_requests(), 0);
         assert!(m.spans.is_empty());
@@ -1785,22 +1775,7 @@ mod tests {
         assert_eq!(told, [(0, 32), (1, 16)]);
         // Block 2 (tokens 32..48, child 1's span) fails: vLLM recomputes it.
         assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
-        let mut got = None;
-        m.finish(
-            "r",
-            |_| hook::FINISHED,
-            Want {
-                extra: false,
-                by_child: true,
-            },
-            |s: &Supplied| {
-                got = Some(s.clone());
-                own(s)
-            },
-            |_| done(false, None),
-        )
-        .unwrap();
-        assert_eq!(got.unwrap().by_child, [32, 0]);
+        assert_eq!(supplied(&m, "r").by_child, [32, 0]);
     }
 
     #[test]
