@@ -69,6 +69,8 @@ def test_a_child_not_known_to_load_a_span_may_only_come_first(tmp_path):
     text = str(err.value)
     assert "connectors[1] (ExampleConnector)" in text and "connectors[0]" in text
     assert "loads_spans" in text
+    # Measured in a real engine: the refusal says why this one is not.
+    assert "ExampleConnector was measured NOT to" in text and "over the span" in text
     for ok in ([ex, host_child()], [host_child(), {**ex, "loads_spans": True}]):
         parse_mux_config(mux_config(ok, load_policy="compose"))
     # The other policies have no spans: any order.

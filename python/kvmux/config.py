@@ -51,6 +51,11 @@ SPANS_KEY = "loads_spans"
 #: any other may only be the first child under ``compose``, unless its
 #: entry sets :data:`SPANS_KEY`.
 SPAN_LOADERS = ("KvmuxHostCache", "LMCacheMPConnector")
+#: Children measured to write outside their span (why, for the refusal).
+NOT_SPAN_LOADERS = {
+    "ExampleConnector": "it writes every block of its stored prefix, over the span the "
+    "children before it loaded (tests/e2e/test_compose_example_connector.py)",
+}
 #: The keys of a child's entry that are kvmux's, not the child's.
 CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
 DEFAULT_CLASH_POLICY = "error"
@@ -363,6 +368,11 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             'load_policy "compose" it can only be connectors[0]; move it first, or set '
             f'"{SPANS_KEY}": true in its entry if it loads from the num_computed_tokens its '
             f"get_num_new_matched_tokens was given (measured to: {', '.join(SPAN_LOADERS)})"
+            + (
+                f"; {c.cls_name} was measured NOT to: {NOT_SPAN_LOADERS[c.cls_name]}"
+                if c.cls_name in NOT_SPAN_LOADERS
+                else ""
+            )
             for c in children[1:]
             if not c.loads_spans
         )
