@@ -7,12 +7,11 @@ A model runner samples nothing for a request whose prompt a step leaves
 partly computed: vLLM's GPU model runner discards those tokens
 (``discard_request_mask``: the sequence length after the step is below the
 request's token count) and the scheduler appends only what the runner
-returns. :class:`ChunkedSim` does the same. The stand-in of
-``kvmux.bench.sim`` (``fake_model_output``) samples one token for every
-scheduled request, partial prefills included, so there a prefill chunked
-over several steps with ``max_tokens=1`` ends after its first chunk and its
-later chunks are never computed (nor, then, saved): the last test here
-records that until the stand-in is fixed.
+returns. The simulator's stand-in runner once sampled a token for every
+scheduled request, so a prefill chunked over several steps with
+``max_tokens=1`` ended after its first chunk and its later chunks were never
+computed (nor saved), which looked like a host-tier bug; the last test here
+keeps the simulator honest.
 """
 
 from __future__ import annotations
@@ -48,20 +47,6 @@ def under_kvmux() -> KVTransferConfig:
 
 
 CONFIGS = {"alone": host_cache, "under kvmux": under_kvmux}
-
-
-class ChunkedSim(SchedulerSim):
-    """The harness's simulator whose model runner, as vLLM's, returns no
-    sampled token for a request the step left mid-prefill."""
-
-    def _run_worker(self, w: Any, kv_caches: Any, so: Any, writes: Any) -> Any:
-        out = super()._run_worker(w, kv_caches, so, writes)
-        for req_id, i in out.req_id_to_index.items():
-            req = self.scheduler.requests.get(req_id)
-            # schedule() already advanced num_computed_tokens.
-            if req is not None and req.num_computed_tokens < req.num_tokens:
-                out.sampled_token_ids[i] = []
-        return out
 
 
 def tier(d: SchedulerSim) -> Any:
@@ -136,7 +121,7 @@ def test_a_chunked_prefill_ending_in_its_last_chunk_stores_every_full_block(
     say so, and a later request is served all of them byte-exact."""
     tokens = PROMPT[:prompt_len]
     full = prompt_len // BLOCK_SIZE
-    d = ChunkedSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
+    d = SchedulerSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
     d.add("A", tokens, max_tokens=1, kv_transfer_params={"host_cache_stats": True})
     assert run_chunks(d, "A") == chunks
     assert len(d.outputs["A"]) == 1
@@ -153,7 +138,7 @@ def test_a_chunked_prefill_ending_in_its_last_chunk_stores_every_full_block(
 def test_controls_a_longer_generation_and_an_unchunked_prefill(config, budget, chunks):
     """max_tokens=3 chunked (the request outlives its prefill) and the same
     prompt unchunked: the same full blocks are stored and served."""
-    d = ChunkedSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
+    d = SchedulerSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
     d.add("A", PROMPT, max_tokens=3)
     assert run_chunks(d, "A") == chunks
     assert len(d.outputs["A"]) == 3
@@ -178,7 +163,7 @@ def test_a_chunked_prefill_aborted_mid_prefill_stores_only_what_was_computed(
     """Aborted between chunks: the tier holds exactly the full blocks the
     chunks computed, nothing stays pinned or reserved, and a later request
     loads those blocks byte-exact and computes the rest."""
-    d = ChunkedSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
+    d = SchedulerSim(CONFIGS[config](), max_num_batched_tokens=budget, num_blocks=64)
     a = d.add("A", PROMPT, max_tokens=1)
     for _ in range(steps):
         d.step()
@@ -192,7 +177,7 @@ def test_a_chunked_prefill_aborted_mid_prefill_stores_only_what_was_computed(
     d.close()
 
 
-class AbortAfterScheduleSim(ChunkedSim):
+class AbortAfterScheduleSim(SchedulerSim):
     """As vLLM's workers: a request aborted after ``schedule`` is still run
     in that step (the workers learn of the abort from the next step's
     scheduler output), so its KV is written. The harness's model skips a
@@ -242,15 +227,10 @@ def test_a_chunked_prefill_aborted_in_the_step_of_its_chunk_leaks_nothing(config
     d.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kvmux.bench.sim.fake_model_output samples a token for a partial prefill, "
-        "which vLLM's model runner discards: a chunked max_tokens=1 request ends after "
-        "its first chunk. Fix it there, then drop this marker and ChunkedSim."
-    ),
-)
-def test_the_bench_sims_stand_in_runner_computes_every_chunk():
+def test_the_simulators_runner_computes_every_chunk_as_vllms_does():
+    """The simulator (the benchmarks' too) samples nothing for a partial
+    prefill, as vLLM's runner: the chunked ``max_tokens=1`` request runs
+    all three chunks and the host tier stores every full block."""
     d = SchedulerSim(host_cache(), max_num_batched_tokens=48, num_blocks=64)
     d.add("A", PROMPT, max_tokens=1)
     try:

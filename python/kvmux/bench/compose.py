@@ -156,10 +156,10 @@ class Policy:
         if self.sim is not None:
             self.sim.close()
         n = len(self.prefixes)
-        # A token budget that never chunks a prefill: the host tier does not
-        # keep the blocks of a chunked prefill's later chunks when the
-        # request ends in its last one (max_tokens=1), which would break
-        # the warm-up.
+        # A token budget that prefills the whole batch in one step: the KV
+        # check reads every request's blocks after the batch, and vLLM frees
+        # a request's blocks as it ends (in a chunked batch, some requests
+        # would end steps earlier).
         sim = self.sim = KVSim(
             self.ktc,
             num_blocks=2 * n * (PREFIX_BLOCKS + 1),  # the batch fits, nothing is preempted

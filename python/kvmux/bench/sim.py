@@ -294,6 +294,17 @@ class SchedulerSim:
 
         return worker_step(w, so, forward)
 
+    def _discard_partial_prefills(self, out: ModelRunnerOutput) -> None:
+        """vLLM's model runner samples nothing for a request whose prompt is
+        still partly computed after this step (a chunked prefill's earlier
+        chunks: its ``discard_request_mask``); ``schedule()`` has already
+        advanced ``num_computed_tokens``. Without this a chunked request
+        with ``max_tokens=1`` would end after its first chunk."""
+        for req_id, i in out.req_id_to_index.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is not None and req.num_computed_tokens < req.num_tokens:
+                out.sampled_token_ids[i] = []
+
     def step(self) -> Any:
         so = self.scheduler.schedule()
         writes = self._kv_writes(so)
@@ -302,6 +313,7 @@ class SchedulerSim:
             for w, kv in zip(self.workers, self.worker_kv_caches, strict=True)
         ]
         merged = self.aggregator.aggregate(outputs)
+        self._discard_partial_prefills(merged)
         sending = (
             merged.kv_connector_output.finished_sending if merged.kv_connector_output else None
         )
