@@ -24,6 +24,12 @@ sets. It records every call so tests can check what kvmux routed to it.
   finished sending, saved or not (as LMCache's do)
 - with ``load_async``, its workers report each load finished receiving in
   the step that starts it
+- ``hold_loads``: request ids whose async load its workers do not report
+  finished receiving until removed (the load is then reported in the next
+  step's ``get_finished``)
+- ``fail_recving``: with vLLM 0.33's ``get_transfer_results``, its workers
+  report each async load they report finished receiving as failed too (in
+  ``failed_recving`` as well, as vLLM's contract says a failed receive is)
 
 Tests may change ``self.script`` (the same dict) at any time.
 """
@@ -33,12 +39,16 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+
+#: vLLM 0.33's transfer results (failed receives included); None before it.
+TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 
 
 class ScriptedMetadata(KVConnectorMetadata):
@@ -163,7 +173,9 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._maybe_fail("get_finished")
         self.calls.append(("get_finished", sorted(finished_req_ids)))
         again_snd, again_rcv = self._again
-        recving, self._to_recv = self._to_recv, set()
+        # A held load stays owed until the test releases it.
+        recving = self._to_recv - set(self.script.get("hold_loads", ()))
+        self._to_recv -= recving
         done: set[str] = set()
         if self.script.get("async_save"):
             # An async save completes in the step that announces it, unless
@@ -177,6 +189,18 @@ class ScriptedConnector(KVConnectorBase_V1):
         if self.script.get("repeat_completions"):
             self._again = (set(done), set(recving))
         return (done | again_snd) or None, (recving | again_rcv) or None
+
+    if TransferResults is not None:  # vLLM 0.33
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            sending, recving = self.get_finished(finished_req_ids)
+            recving = set(recving or ())
+            failed = set(recving) if self.script.get("fail_recving") else set()
+            return TransferResults(
+                finished_sending=set(sending or ()),
+                finished_recving=recving,
+                failed_recving=failed,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_loads = self._failed_loads, set()
