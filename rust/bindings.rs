@@ -1133,14 +1133,64 @@ impl PyMux {
         self.complete(py, per_child, |i, id| self.core.sent(i, id))
     }
 
-    /// Worker side: the same for finished (or failed) receiving: the ids of
-    /// the child that loads each request pass, the others are dropped.
+    /// Worker side: the same for finished receiving (vLLM before
+    /// `get_transfer_results`: no failures): a request passes once each
+    /// child that loads it reported it; the others are dropped.
     fn complete_recvs<'py>(
         &self,
         py: Python<'py>,
         per_child: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
-        self.complete(py, per_child, |i, id| self.core.received(i, id))
+        self.complete(py, per_child, |i, id| {
+            self.core.received(i, id, false).is_some()
+        })
+    }
+
+    /// Worker side: each child's `(finished_recving, failed_recving)` of one
+    /// step (None or iterables of ids) -> `(finished, failed)`: the
+    /// requests finished receiving now, and those of them one of whose
+    /// loaders failed (in both, as vLLM's `KVConnectorTransferResults`
+    /// wants).
+    fn complete_recv_results<'py>(
+        &self,
+        py: Python<'py>,
+        per_child: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PySet>, Bound<'py, PySet>)> {
+        let finished = PySet::empty(py)?;
+        let failed = PySet::empty(py)?;
+        let ids = |v: Bound<'py, PyAny>| -> PyResult<Vec<Bound<'py, PyString>>> {
+            if v.is_none() {
+                return Ok(Vec::new());
+            }
+            v.try_iter()?
+                .map(|id| Ok(id?.cast_into::<PyString>()?))
+                .collect()
+        };
+        for (i, pair) in per_child.try_iter()?.enumerate() {
+            let (ok, bad): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
+            let (ok, bad) = (ids(ok)?, ids(bad)?);
+            let ok_s = ok
+                .iter()
+                .map(|s| s.to_str())
+                .collect::<PyResult<Vec<_>>>()?;
+            let bad_s = bad
+                .iter()
+                .map(|s| s.to_str())
+                .collect::<PyResult<Vec<_>>>()?;
+            let mut err = None;
+            self.core.received_results(i, &ok_s, &bad_s, |id, f| {
+                let r = finished
+                    .add(*id)
+                    .and_then(|()| if f { failed.add(*id) } else { Ok(()) });
+                if let Err(e) = r {
+                    err.get_or_insert(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(e);
+            }
+        }
+        Ok((finished, failed))
     }
 
     /// Worker side: requests still waiting for async-save completions.

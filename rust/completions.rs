@@ -14,7 +14,9 @@
 //!   them for a request the multiplexer never tracked, see
 //!   [`crate::mux::Mux::finish`]); a child reporting it twice counts once;
 //! - a receive: when the child that loads the request reports it (each of
-//!   them, when several load spans of it under `compose`);
+//!   them, when several load spans of it under `compose`); if any of them
+//!   reported its load failed, the request is reported failed too, once the
+//!   last one reported ([`Verdict::Failed`]: vLLM then recomputes it);
 //! - a completion from a child that owes nothing for the request (a
 //!   duplicate, one it never saved or loaded, one whose failure on the
 //!   request was contained) is a [`Verdict::Stray`]: dropped, for the
@@ -28,6 +30,9 @@ use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 pub enum Verdict {
     /// The last completion the request waited for: report it to vLLM.
     Done,
+    /// The same, for a receive one of whose loaders failed: report it to
+    /// vLLM finished and failed receiving.
+    Failed,
     /// Counted; other children still owe theirs.
     Waiting,
     /// The child owed nothing for the request: dropped.
@@ -40,6 +45,8 @@ struct Owed {
     children: u64,
     /// Completions still needed before the request is done.
     need: u32,
+    /// A receive: some loader reported its load failed.
+    failed: bool,
 }
 
 /// The completions a worker waits for.
@@ -64,7 +71,11 @@ impl Completions {
         let need = need.clamp(1, children.count_ones());
         match self.sends.entry(req_id.to_owned()) {
             Entry::Vacant(e) => {
-                e.insert(Owed { children, need });
+                e.insert(Owed {
+                    children,
+                    need,
+                    failed: false,
+                });
             }
             // Finished again before the first save ended (vLLM reuses an id):
             // wait for both.
@@ -83,25 +94,31 @@ impl Completions {
     pub fn expect_recv(&self, req_id: &str, children: u64) {
         if children != 0 {
             let need = children.count_ones();
-            self.recvs
-                .insert(req_id.to_owned(), Owed { children, need });
+            let owed = Owed {
+                children,
+                need,
+                failed: false,
+            };
+            self.recvs.insert(req_id.to_owned(), owed);
         }
     }
 
     /// `child` reported `req_id` finished sending.
     pub fn sent(&self, child: usize, req_id: &str) -> Verdict {
-        Self::complete(&self.sends, child, req_id)
+        Self::complete(&self.sends, child, req_id, false)
     }
 
-    /// `child` reported `req_id` finished (or failed) receiving.
-    pub fn received(&self, child: usize, req_id: &str) -> Verdict {
-        Self::complete(&self.recvs, child, req_id)
+    /// `child` reported `req_id` finished receiving, its load `failed` or
+    /// not.
+    pub fn received(&self, child: usize, req_id: &str, failed: bool) -> Verdict {
+        Self::complete(&self.recvs, child, req_id, failed)
     }
 
     fn complete(
         map: &DashMap<String, Owed, Xxh3DefaultBuilder>,
         child: usize,
         req_id: &str,
+        failed: bool,
     ) -> Verdict {
         let bit = 1u64.checked_shl(child as u32).unwrap_or(0);
         let Some(mut owed) = map.get_mut(req_id) else {
@@ -112,14 +129,20 @@ impl Completions {
         }
         owed.children &= !bit;
         owed.need -= 1;
+        owed.failed |= failed;
         if owed.need > 0 {
             return Verdict::Waiting;
         }
         // Done: later completions are strays even before the entry goes.
         owed.children = 0;
+        let failed = owed.failed;
         drop(owed);
         map.remove_if(req_id, |_, o| o.need == 0);
-        Verdict::Done
+        if failed {
+            Verdict::Failed
+        } else {
+            Verdict::Done
+        }
     }
 
     /// Requests still waiting for send completions.
@@ -159,7 +182,7 @@ mod tests {
     fn an_unannounced_completion_is_a_stray() {
         let c = Completions::new();
         assert_eq!(c.sent(0, "never"), Verdict::Stray);
-        assert_eq!(c.received(0, "never"), Verdict::Stray);
+        assert_eq!(c.received(0, "never", false), Verdict::Stray);
     }
 
     #[test]
@@ -175,10 +198,10 @@ mod tests {
     fn a_receive_counts_only_from_the_loading_child() {
         let c = Completions::new();
         c.expect_recv("r", 0b10);
-        assert_eq!(c.received(0, "r"), Verdict::Stray);
+        assert_eq!(c.received(0, "r", false), Verdict::Stray);
         assert_eq!(c.pending_recvs(), 1);
-        assert_eq!(c.received(1, "r"), Verdict::Done);
-        assert_eq!(c.received(1, "r"), Verdict::Stray);
+        assert_eq!(c.received(1, "r", false), Verdict::Done);
+        assert_eq!(c.received(1, "r", false), Verdict::Stray);
         assert_eq!(c.pending_recvs(), 0);
     }
 
@@ -186,10 +209,39 @@ mod tests {
     fn a_composed_load_is_done_when_every_async_loader_reported() {
         let c = Completions::new();
         c.expect_recv("r", 0b101);
-        assert_eq!(c.received(0, "r"), Verdict::Waiting);
-        assert_eq!(c.received(0, "r"), Verdict::Stray);
-        assert_eq!(c.received(2, "r"), Verdict::Done);
+        assert_eq!(c.received(0, "r", false), Verdict::Waiting);
+        assert_eq!(c.received(0, "r", false), Verdict::Stray);
+        assert_eq!(c.received(2, "r", false), Verdict::Done);
         assert_eq!(c.pending_recvs(), 0);
+    }
+
+    #[test]
+    fn a_failed_span_fails_the_request_once_every_loader_reported() {
+        let c = Completions::new();
+        c.expect_recv("r", 0b11);
+        assert_eq!(c.received(0, "r", true), Verdict::Waiting);
+        assert_eq!(c.pending_recvs(), 1, "still waits for the other loader");
+        assert_eq!(c.received(0, "r", false), Verdict::Stray);
+        assert_eq!(c.received(1, "r", false), Verdict::Failed);
+        assert_eq!(c.pending_recvs(), 0);
+        c.expect_recv("s", 0b11);
+        assert_eq!(c.received(1, "s", false), Verdict::Waiting);
+        assert_eq!(
+            c.received(0, "s", true),
+            Verdict::Failed,
+            "the last one failed"
+        );
+        assert_eq!(
+            c.received(2, "t", true),
+            Verdict::Stray,
+            "a failure nobody owed is dropped"
+        );
+        c.expect_recv("t", 0b1);
+        assert_eq!(
+            c.received(0, "t", false),
+            Verdict::Done,
+            "a new load starts clean"
+        );
     }
 
     #[test]
@@ -227,6 +279,7 @@ mod tests {
                     }
                     Verdict::Waiting => prop_assert!(owes && seen != savers),
                     Verdict::Stray => prop_assert!(!owes),
+                    Verdict::Failed => prop_assert!(false, "a send never fails"),
                 }
             }
             prop_assert_eq!(done, 1);

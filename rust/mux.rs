@@ -911,7 +911,8 @@ impl Mux {
     /// completion the child did not owe is dropped and counted.
     pub fn sent(&self, i: usize, req_id: &str) -> bool {
         match self.completions.sent(i, req_id) {
-            Verdict::Done => {
+            // A send is never failed.
+            Verdict::Done | Verdict::Failed => {
                 self.counters.child(i, Child::SaveCompletions, 1);
                 self.counters.total(Total::FinishedSending, 1);
                 true
@@ -927,19 +928,49 @@ impl Mux {
         }
     }
 
-    /// Worker side: child i reported `req_id` finished (or failed)
-    /// receiving. True when every child that loads the request
-    /// asynchronously has reported it; a completion the child did not owe
-    /// is dropped and counted.
-    pub fn received(&self, i: usize, req_id: &str) -> bool {
-        match self.completions.received(i, req_id) {
-            Verdict::Stray => {
-                self.counters.child(i, Child::StrayCompletions, 1);
-                false
+    /// Worker side: child i reported `req_id` finished receiving, its load
+    /// `failed` or not. Once every child that loads the request
+    /// asynchronously has reported it: `Some(failed)`, failed when any of
+    /// them failed (vLLM must hear "finished" and "failed" then, never one
+    /// without the other). A completion the child did not owe is dropped
+    /// and counted.
+    pub fn received(&self, i: usize, req_id: &str, failed: bool) -> Option<bool> {
+        let verdict = self.completions.received(i, req_id, failed);
+        let counter = match verdict {
+            Verdict::Stray => Child::StrayCompletions,
+            _ => Child::LoadCompletions,
+        };
+        self.counters.child(i, counter, 1);
+        match verdict {
+            Verdict::Done => Some(false),
+            Verdict::Failed => Some(true),
+            Verdict::Waiting | Verdict::Stray => None,
+        }
+    }
+
+    /// Worker side: child i's receive results of one step, `finished` and
+    /// `failed` ids (vLLM's contract puts a failed id in both; one in
+    /// `failed` only counts the same): each id is one completion of the
+    /// child. `done(req_id, failed)` gets each request finished receiving
+    /// now.
+    pub fn received_results<S: AsRef<str>>(
+        &self,
+        i: usize,
+        finished: &[S],
+        failed: &[S],
+        mut done: impl FnMut(&S, bool),
+    ) {
+        for id in failed {
+            if let Some(f) = self.received(i, id.as_ref(), true) {
+                done(id, f);
             }
-            v => {
-                self.counters.child(i, Child::LoadCompletions, 1);
-                v == Verdict::Done
+        }
+        for id in finished {
+            if failed.iter().any(|f| f.as_ref() == id.as_ref()) {
+                continue;
+            }
+            if let Some(f) = self.received(i, id.as_ref(), false) {
+                done(id, f);
             }
         }
     }
@@ -1593,11 +1624,12 @@ mod tests {
         assert!(!w.sent(0, "r"), "a duplicate counts once");
         assert!(!w.sent(2, "r"), "child 2 never saved it");
         assert!(w.sent(1, "r"));
-        assert!(
-            !w.received(0, "l"),
+        assert_eq!(
+            w.received(0, "l", false),
+            None,
             "only the loading child's receive counts"
         );
-        assert!(w.received(2, "l"));
+        assert_eq!(w.received(2, "l", false), Some(false));
         let snap = w.snapshot();
         let c = |i: usize, k: Child| snap.children[i][k as usize];
         assert_eq!(c(0, Child::SaveCompletions), 1);
@@ -1606,6 +1638,30 @@ mod tests {
         assert_eq!(c(2, Child::LoadCompletions), 1);
         assert_eq!(snap.totals[Total::FinishedSending as usize], 1);
         assert_eq!((w.pending_sends(), w.pending_recvs()), (0, 0));
+    }
+
+    #[test]
+    fn a_failed_receive_is_reported_finished_and_failed_after_the_last_loader() {
+        let w = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
+        w.expect(&[], &[("r", 0b011), ("s", 0b100)]);
+        let mut got = Vec::new();
+        // Child 0 reports r failed, in both lists (vLLM's contract): one
+        // completion, and the request still waits for child 1.
+        w.received_results(0, &["r"], &["r"], |id, f| got.push((*id, f)));
+        assert!(got.is_empty());
+        w.received_results(1, &["r"], &[], |id, f| got.push((*id, f)));
+        // Child 2 reports s failed in `failed` only: the same.
+        w.received_results(2, &[], &["s"], |id, f| got.push((*id, f)));
+        assert_eq!(got, [("r", true), ("s", true)]);
+        let snap = w.snapshot();
+        let c = |i: usize, k: Child| snap.children[i][k as usize];
+        assert_eq!(
+            [0, 1, 2].map(|i| c(i, Child::LoadCompletions)),
+            [1, 1, 1],
+            "a failed id in both lists is one completion"
+        );
+        assert_eq!(c(0, Child::StrayCompletions), 0);
+        assert_eq!(w.pending_recvs(), 0);
     }
 
     #[test]

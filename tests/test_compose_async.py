@@ -12,7 +12,12 @@ first's hit, so it loads ``[32, 48)``. Each reports its load finished in the
 step that starts it unless the test holds it (``hold_loads``), so the two
 completions arrive in the steps and the order a test chooses. The rules
 under test: ``rust/mux.rs`` (``allocated``: the bit set of async loaders)
-and ``rust/completions.rs`` (a receive is done when each loader reported).
+and ``rust/completions.rs`` (a receive is done when each loader reported;
+failed, in vLLM's ``finished_recving`` and ``failed_recving`` both, when one
+of them reported its load failed). The failed-receive tests found that
+kvmux's worker once used up the failing child's completion on its
+``finished_recving`` and dropped the same id in ``failed_recving`` as a
+stray: vLLM ran the request over the span that never arrived.
 """
 
 from __future__ import annotations
@@ -234,13 +239,6 @@ def test_a_failed_span_is_recomputed_from_its_first_block(failing):
     assert d.finished["r"]["num_extra_cached_tokens"] == start
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmux bug: MuxWorker.get_transfer_results runs finished_recving through "
-    "complete_recvs first, which clears the failing child's bit, so the same id in "
-    "failed_recving is then a stray and dropped: vLLM never sees the failed receive "
-    "and runs the request over the failed span",
-)
 @pytest.mark.parametrize("failing", [0, 1], ids=["first-span-fails", "second-span-fails"])
 def test_a_failed_receive_reaches_vllm_and_the_request_is_recomputed(failing):
     """One loader reports its receive failed (``failed_recving``, and in

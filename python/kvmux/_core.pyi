@@ -111,9 +111,17 @@ class Mux:
         """Worker side: each child's finished-sending ids (config order) ->
         the requests finished sending now; strays dropped and counted."""
     def complete_recvs(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
-        """Worker side: each child's finished (or failed) receiving ids ->
-        the requests every async loader has reported; strays dropped and
-        counted."""
+        """Worker side (vLLM without ``get_transfer_results``): each child's
+        finished receiving ids -> the requests every async loader has
+        reported; strays dropped and counted."""
+    def complete_recv_results(
+        self, per_child: Iterable[tuple[Iterable[str] | None, Iterable[str] | None]]
+    ) -> tuple[set[str], set[str]]:
+        """Worker side: each child's ``(finished_recving, failed_recving)``
+        -> ``(finished, failed)``: the requests every async loader has
+        reported, and those of them one of whose loaders failed (in both).
+        A failed id is one completion of its child, listed in both sets or
+        in ``failed_recving`` only; strays dropped and counted."""
     def pending_sends(self) -> int: ...
     def pending_recvs(self) -> int: ...
     def count_load_failures(self, blocks: int) -> None: ...

@@ -6,7 +6,9 @@ completions the workers wait for, each with its child's identity (the Rust
 children is finished sending once each of the k reported it, a load is
 finished when the loading child reports it, and a completion from a child
 that owed none (a duplicate, a stray, one of a child whose failure on the
-request was contained) is dropped and counted, never passed to vLLM.
+request was contained) is dropped and counted, never passed to vLLM. A load
+one child reports failed is passed on finished and failed once every loader
+of the request reported, so vLLM recomputes it.
 """
 
 from __future__ import annotations
@@ -68,8 +70,12 @@ class MuxWorker:
         out = _versions.TransferResults()
         answers = self.children.call("get_transfer_results", finished_req_ids)
         out.finished_sending = self.mux.complete_sends([r.finished_sending for r in answers])
-        out.finished_recving = self.mux.complete_recvs([r.finished_recving for r in answers])
-        out.failed_recving = self.mux.complete_recvs([r.failed_recving for r in answers])
+        # A failed receive is one completion of its child (vLLM's contract
+        # lists it in both sets); the request is passed on finished, and
+        # failed if any of its loaders failed, once the last one reported.
+        out.finished_recving, out.failed_recving = self.mux.complete_recv_results(
+            [(r.finished_recving, r.failed_recving) for r in answers]
+        )
         return out
 
     def build_connector_worker_meta(self) -> KvmuxWorkerMetadata | None:

