@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvmux.bench import CASES
+
 ROOT = Path(__file__).resolve().parents[1]
+#: The bench lists C1L (C1 with a real LMCache server) only where LMCache is installed.
+WITH_LMCACHE = "C1L" in CASES
 
 
 def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
@@ -69,6 +73,7 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         ("P1h", "MultiConnector"),
         ("S1", "MultiConnector"),
         ("C1", "load_policy first"),
+        *((("C1L", "load_policy first"),) if WITH_LMCACHE else ()),
     ):
         assert any(line.startswith(key + " ") for line in proc.stdout.splitlines()), key
         assert f"{key}: per op" in proc.stdout and rival in proc.stdout
@@ -86,6 +91,7 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         "S1 p99",
         "C1 vs first",
         "C1 vs longest",
+        *(["C1L vs first", "C1L vs longest"] if WITH_LMCACHE else []),
     ]
     p1h = results["P1h"]
     assert p1h["target"] is None and p1h["notes"]["host_lookup_hits"] > 0
@@ -112,4 +118,15 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
     assert moved["first"]["recomputed_tokens"] > moved["compose"]["recomputed_tokens"]
     for policy in ("compose", "first", "longest"):
         assert any(line.startswith(f"C1 {policy} ") for line in proc.stdout.splitlines())
+    if WITH_LMCACHE:
+        # C1L: C1 with the real LMCache server as the second tier (started
+        # and stopped by the case).
+        moved = results["C1L vs first"]["notes"]["moved"]
+        assert results["C1L vs first"]["notes"]["children"]["tier2"] == "LMCacheMPConnector"
+        assert moved["compose"]["load_tokens"]["tier2"] == moved["compose"]["load_tokens"]["host"]
+        assert moved["longest"]["load_tokens"] == {
+            "host": 0,
+            "tier2": 2 * moved["compose"]["load_tokens"]["tier2"],
+        }
+        assert len(results["C1L vs longest"]["kvmux_s"]) == results["C1L vs longest"]["repeats"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
