@@ -107,6 +107,10 @@ pub struct Breakers {
     each: Vec<Option<Breaker>>,
     /// Bit i: child i's breaker is not closed.
     tripped: AtomicU64,
+    /// Bit i: child i may have a run of failures going (set after its count
+    /// rises, cleared before it is reset), so that an answer with neither
+    /// bit set has nothing to record.
+    failing: AtomicU64,
     transitions: Mutex<Vec<Transition>>,
     /// `transitions` is not empty.
     to_log: AtomicBool,
@@ -140,6 +144,7 @@ impl Breakers {
         Self {
             each,
             tripped: AtomicU64::new(0),
+            failing: AtomicU64::new(0),
             transitions: Mutex::new(Vec::new()),
             to_log: AtomicBool::new(false),
             changed: AtomicBool::new(false),
@@ -159,6 +164,7 @@ impl Breakers {
     /// Whether request `req_id` asks child i now. A child whose breaker is
     /// open is skipped; once its cooldown passed, the first request to ask
     /// becomes the probe and asks it.
+    #[inline]
     pub fn admit(&self, i: usize, req_id: &str) -> bool {
         if self.tripped.load(Relaxed) & (1u64 << i) == 0 {
             return true;
@@ -197,14 +203,29 @@ impl Breakers {
 
     /// Child i's lookup for `req_id` went `outcome`. True when this opened
     /// its breaker.
+    #[inline]
     pub fn record(&self, i: usize, req_id: &str, outcome: Outcome) -> bool {
+        // The usual case, inline: an answer from a closed breaker with no
+        // failures to forget.
+        let bit = 1u64 << i;
+        if outcome == Outcome::Answered
+            && (self.tripped.load(Relaxed) | self.failing.load(Relaxed)) & bit == 0
+        {
+            return false;
+        }
+        self.record_slow(i, req_id, outcome)
+    }
+
+    fn record_slow(&self, i: usize, req_id: &str, outcome: Outcome) -> bool {
         let Some(Some(b)) = self.each.get(i) else {
             return false;
         };
-        let tripped = self.tripped.load(Relaxed) & (1u64 << i) != 0;
+        let bit = 1u64 << i;
+        let tripped = self.tripped.load(Relaxed) & bit != 0;
         match outcome {
             Outcome::Answered => {
-                if b.failures.load(Relaxed) != 0 {
+                if self.failing.load(Relaxed) & bit != 0 {
+                    self.failing.fetch_and(!bit, Relaxed);
                     b.failures.store(0, Relaxed);
                 }
                 if tripped {
@@ -220,6 +241,7 @@ impl Breakers {
                 match inner.state {
                     State::Closed => {
                         let run = b.failures.fetch_add(1, Relaxed) + 1;
+                        self.failing.fetch_or(bit, Relaxed);
                         if run < b.cfg.failures {
                             return false;
                         }
@@ -257,6 +279,7 @@ impl Breakers {
         inner.state = State::Open;
         inner.until = Instant::now() + inner.cooldown;
         inner.probe = None;
+        self.failing.fetch_and(!(1u64 << i), Relaxed);
         b.failures.store(0, Relaxed);
         self.tripped.fetch_or(1u64 << i, Relaxed);
         self.push(Transition {
@@ -292,7 +315,8 @@ impl Breakers {
 
     /// The transitions since the previous take, oldest first (to log).
     pub fn take_transitions(&self) -> Vec<Transition> {
-        if !self.to_log.swap(false, Relaxed) {
+        // A plain load first: the usual answer (nothing to log) writes nothing.
+        if !self.to_log.load(Relaxed) || !self.to_log.swap(false, Relaxed) {
             return Vec::new();
         }
         std::mem::take(&mut *lock(&self.transitions))

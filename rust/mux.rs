@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use dashmap::{DashMap, DashSet};
+use smallvec::{smallvec, SmallVec};
 
 use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
 use crate::completions::{Completions, Verdict};
@@ -31,6 +32,10 @@ pub const EXTRA_KEY: &str = "num_extra_cached_tokens";
 pub const BY_CHILD_KEY: &str = "cached_tokens_by_child";
 /// In [`BY_CHILD_KEY`]'s answer: vLLM's local prefix cache.
 pub const LOCAL_KEY: &str = "local_prefix_cache";
+
+/// One value per child, on the stack for the usual handful of children:
+/// the hooks that run once per request allocate nothing for them.
+pub type PerChild<T> = SmallVec<[T; 8]>;
 
 /// Which of the multiplexer's own params a finishing request asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,7 +59,7 @@ pub struct Supplied {
     /// Tokens the children supplied beyond the local prefix cache (summed).
     pub extra: u64,
     /// Per child, the tokens it supplied (loads that failed not counted).
-    pub by_child: Vec<u64>,
+    pub by_child: PerChild<u64>,
     /// Tokens vLLM's local prefix cache held.
     pub local: u64,
 }
@@ -359,21 +364,11 @@ impl Mux {
         num_computed_tokens: u64,
         mut ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Looked<E>, MuxError<E>> {
-        let n = self.names.len();
-        // On the stack for the usual handful of children.
-        const INLINE: usize = 8;
         let unset = ChildMatch {
             tokens: None,
             load_async: false,
         };
-        let mut inline = [unset; INLINE];
-        let mut heap = Vec::new();
-        let matches: &mut [ChildMatch] = if n <= INLINE {
-            &mut inline[..n]
-        } else {
-            heap.resize(n, unset);
-            &mut heap
-        };
+        let mut matches: PerChild<ChildMatch> = smallvec![unset; self.names.len()];
         // Children already out of this request's lookups, and when it was
         // first looked up (for deadlines); read only when either can matter.
         let (now, since, mut excluded, took_part) =
@@ -485,7 +480,7 @@ impl Mux {
                 }
             }
         }
-        let matches = &*matches;
+        let matches = &matches[..];
         let got = self.table.lookup_at(
             req_id,
             num_computed_tokens,
@@ -505,9 +500,9 @@ impl Mux {
             self.spans.insert(req_id.to_owned(), spans);
         }
         if got.tokens.is_some() {
+            self.counters.lookup_answered();
             for (i, m) in matches.iter().enumerate() {
                 let toks = m.tokens.unwrap_or(0);
-                self.counters.child(i, Child::Lookups, 1);
                 if toks > 0 {
                     self.counters.child(i, Child::Hits, 1);
                     self.counters.child(i, Child::HitTokens, toks);
@@ -545,7 +540,7 @@ impl Mux {
         let chosen = planned.map(|(i, _)| i);
         // What each child loads: the chosen child all of it, or under
         // `compose` each its span (cut from the end to what vLLM allocated).
-        let mut given = vec![0u64; n];
+        let mut given: PerChild<u64> = smallvec![0; n];
         let mut async_loaders = 0u64;
         if let Some((i, load_async)) = planned {
             match self
@@ -661,7 +656,7 @@ impl Mux {
         // Who supplied the loaded tokens: the chosen child, or under
         // `compose` each its span, in order (a failed load cut them from
         // the first bad block on).
-        let mut by_child = vec![0; self.names.len()];
+        let mut by_child: PerChild<u64> = smallvec![0; self.names.len()];
         match self.drop_spans(req_id) {
             Some(spans) => {
                 let mut left = state.loaded_tokens;
@@ -745,11 +740,11 @@ impl Mux {
         hooks: &impl Fn(usize) -> &'static str,
         default: impl Fn() -> T,
         mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
-    ) -> Result<(Vec<T>, Vec<Contained<E>>), MuxError<E>> {
+    ) -> Result<(PerChild<T>, Vec<Contained<E>>), MuxError<E>> {
         let n = self.names.len();
         // Read only when a child fails (the state is still in the table).
         let mut took_part = None;
-        let mut answers = Vec::with_capacity(n);
+        let mut answers = PerChild::with_capacity(n);
         let mut contained = Vec::new();
         let mut error = None;
         for i in 0..n {
@@ -1762,7 +1757,7 @@ mod tests {
         m.allocated("r", 48, no_blocks, no_tell).unwrap();
         let s = supplied(&m, "r");
         assert_eq!((s.extra, s.local), (48, 16));
-        assert_eq!(s.by_child, [0, 48, 0]);
+        assert_eq!(s.by_child[..], [0, 48, 0]);
         assert_eq!(s.by_child.iter().sum::<u64>(), s.extra);
         let snap = m.snapshot();
         assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
@@ -1808,7 +1803,10 @@ mod tests {
             "child 1 loads async"
         );
         let s = supplied(&m, "r");
-        assert_eq!((s.by_child, s.extra, s.local), (vec![32, 32, 0], 64, 16));
+        assert_eq!(
+            (s.by_child.to_vec(), s.extra, s.local),
+            (vec![32, 32, 0], 64, 16)
+        );
         assert_eq!(m.live_requests(), 0);
         assert!(m.spans.is_empty());
     }
@@ -1831,7 +1829,7 @@ mod tests {
         assert_eq!(told, [(0, 32), (1, 16)]);
         // Block 2 (tokens 32..48, child 1's span) fails: vLLM recomputes it.
         assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
-        assert_eq!(supplied(&m, "r").by_child, [32, 0]);
+        assert_eq!(supplied(&m, "r").by_child[..], [32, 0]);
     }
 
     #[test]

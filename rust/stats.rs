@@ -176,6 +176,10 @@ pub struct Report {
 pub struct Counters {
     totals: TotalRow,
     children: Vec<ChildRow>,
+    /// Every child's [`Child::Lookups`]: each ready lookup counts for every
+    /// child, so one counter stands for all of them (one atomic add per
+    /// lookup, not one per child).
+    lookups: AtomicU64,
     taken: Mutex<Taken>,
 }
 
@@ -195,6 +199,7 @@ impl Counters {
         Self {
             totals: Default::default(),
             children: (0..n_children).map(|_| Default::default()).collect(),
+            lookups: AtomicU64::new(0),
             taken: Mutex::new(Taken {
                 snap: Snapshot {
                     totals: [0; Total::COUNT],
@@ -211,14 +216,28 @@ impl Counters {
         }
     }
 
+    /// A lookup was answered: [`Child::Lookups`] of every child.
+    pub fn lookup_answered(&self) {
+        self.lookups.fetch_add(1, Relaxed);
+    }
+
     pub fn total(&self, t: Total, n: u64) {
         self.totals[t as usize].fetch_add(n, Relaxed);
     }
 
     pub fn snapshot(&self) -> Snapshot {
+        let lookups = self.lookups.load(Relaxed);
         Snapshot {
             totals: load(&self.totals),
-            children: self.children.iter().map(load).collect(),
+            children: self
+                .children
+                .iter()
+                .map(|row| {
+                    let mut row = load(row);
+                    row[Child::Lookups as usize] += lookups;
+                    row
+                })
+                .collect(),
         }
     }
 
@@ -309,6 +328,12 @@ mod tests {
         assert_eq!(c.take_interval().totals[Total::Finished as usize], 2);
         assert_eq!(c.snapshot().totals[Total::Finished as usize], 3);
         c.child(9, Child::Loads, 1); // unknown child: ignored
+        c.lookup_answered();
+        let every = c.take_interval();
+        assert!(every
+            .children
+            .iter()
+            .all(|r| r[Child::Lookups as usize] == 1));
     }
 
     #[test]
