@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-from kvmux.bench import CASES
+import pytest
+
+from kvmux import bench
+from kvmux.bench import CASES, runner
+from kvmux.cli import bench as cli_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The bench lists C1L (C1 with a real LMCache server) only where LMCache is installed.
@@ -130,3 +135,22 @@ def test_bench_quick_runs_every_comparison_and_prints_its_table(tmp_path):
         }
         assert len(results["C1L vs longest"]["kvmux_s"]) == results["C1L vs longest"]["repeats"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_names_a_case_that_cannot_run_here(monkeypatch, capsys):
+    """A case this machine cannot run (C1L without LMCache) is refused under
+    ``--only`` with the reason, not argparse's bare "invalid choice", and
+    named on stderr when every other case runs."""
+    why = "LMCache is not installed (pip install lmcache; tested: 0.5.6)"
+    monkeypatch.setitem(bench.UNAVAILABLE, "C1L", why)
+    monkeypatch.delitem(bench.CASES, "C1L", raising=False)
+    parser = argparse.ArgumentParser()
+    cli_bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match=r"bench C1L cannot run here: LMCache is not installed"):
+        cli_bench.run(parser.parse_args(["--only", "C1L"]))
+    ran: list[list[str]] = []
+    monkeypatch.setattr(runner, "run", lambda keys, **kw: ran.append(list(keys)) or [])
+    monkeypatch.setattr(runner, "format_table", lambda results: "")
+    assert cli_bench.run(parser.parse_args([])) == 0
+    assert ran == [list(bench.CASES)] and "C1L" not in ran[0]
+    assert f"bench C1L skipped: {why}" in capsys.readouterr().err

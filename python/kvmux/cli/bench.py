@@ -5,7 +5,11 @@ vLLM's MultiConnector over the same children, P3 the host
 tier's prefix lookup against vLLM's SimpleCPUOffloadConnector, P4 the host
 tier's copies against a plain contiguous torch copy, S1 requests' time to
 schedule (p50, p99) while one child stalls, kvmux's lookup deadline against
-MultiConnector. Prints median, spread and ratio per comparison."""
+MultiConnector, C1 (C1L: with the real LMCache server as the second tier)
+the time to load prefixes split between two tiers, ``load_policy`` compose
+against first and longest. Prints median, spread and ratio per comparison.
+A case that cannot run on this machine (C1L without LMCache) is named with
+the reason: an error under ``--only``, a line on stderr otherwise."""
 
 from __future__ import annotations
 
@@ -18,10 +22,15 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvmux.bench import CASES
+    from kvmux.bench import CASES, UNAVAILABLE
 
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
-    p.add_argument("--only", nargs="+", choices=sorted(CASES), help="run only these comparisons")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted({*CASES, *UNAVAILABLE}),
+        help="run only these comparisons",
+    )
     p.add_argument("--repeats", type=int, help="timed repeats per side (default 25; quick: 5)")
     p.add_argument(
         "--warmup", type=int, help="untimed repeats per side first (default 3; quick: 1)"
@@ -34,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from kvmux.bench import CASES
+    from kvmux.bench import CASES, UNAVAILABLE
     from kvmux.bench.runner import format_table, write_json, write_plot
     from kvmux.bench.runner import run as run_cases
     from kvmux.bench.timing import Progress
@@ -43,6 +52,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         raise SystemExit("--warmup must be 0 or more")
+    if args.only:
+        cannot = [k for k in args.only if k in UNAVAILABLE]
+        if cannot:
+            raise SystemExit(
+                "; ".join(f"bench {k} cannot run here: {UNAVAILABLE[k]}" for k in cannot)
+            )
+    else:
+        for k, why in UNAVAILABLE.items():
+            print(f"bench {k} skipped: {why}", file=sys.stderr)
     keys = args.only or list(CASES)
     results = run_cases(
         keys,
