@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,18 @@ class LMCacheServer:
     a crash would be), :meth:`stop`; :meth:`start` again restarts it on the
     same port."""
 
-    def __init__(self, log_path: Path, port: int | None = None, chunk_size: int = 16) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        port: int | None = None,
+        chunk_size: int = 16,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.port = port or free_port()
         self.chunk_size = chunk_size  # must be vLLM's block size (kvmux.bench.sim.BLOCK_SIZE: 16)
         self.log_path = log_path
+        # More server options, after the fixed ones (e.g. "--kv-event-log-size", "0").
+        self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -75,6 +83,7 @@ class LMCacheServer:
             "auto",
             "--max-workers",
             "1",
+            *self.extra_args,
         ]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LMCacheServer:
