@@ -1,15 +1,15 @@
-"""A real LMCache multi-process (MP) server for the benchmarks (C1L), on
-loopback only.
+"""A real LMCache multi-process (MP) server on loopback only, for the
+benchmarks (C1L) and kvmux's tests (``tests/lmcache_server.py`` wraps it in
+fixtures; the wheel ships no tests, so the one launcher lives here).
 
-LMCache's own ``python -m lmcache.v1.multiprocess.server``, started as the
-tests start it (``tests/lmcache_server.py``; the wheel ships no tests, so
-the bench has its own launcher): a subprocess in its own process group on a
-free 127.0.0.1 port, usage tracking off, ``--disable-metrics`` (otherwise it
-binds a Prometheus port on all interfaces), chunk size the vLLM block size
-of :mod:`kvmux.bench.sim`. It is stopped by its pid and process group,
-never by name: by :meth:`LMCacheServer.stop`, at interpreter exit if still
-running (the runner has no tear-down hook), and, should the bench be
-killed outright, by the kernel (Linux's parent-death signal).
+LMCache's own ``python -m lmcache.v1.multiprocess.server``: a subprocess in
+its own process group on a free 127.0.0.1 port, usage tracking off,
+``--disable-metrics`` (otherwise it binds a Prometheus port on all
+interfaces), chunk size the vLLM block size of :mod:`kvmux.bench.sim` (as
+LMCache requires). It is stopped by its pid and process group, never by
+name: by :meth:`LMCacheServer.stop`, at interpreter exit if still running
+(the bench runner has no tear-down hook), and, should its parent be killed
+outright, by the kernel (Linux's parent-death signal).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["LMCacheServer", "unavailable"]
+__all__ = ["HOST", "LMCacheServer", "free_port", "unavailable"]
 
 # Imports only the standard library: kvmux.bench imports it to list the cases.
 
@@ -49,7 +50,7 @@ def unavailable() -> str | None:
     return None if found else "LMCache is not installed (pip install lmcache; tested: 0.5.6)"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
@@ -70,17 +71,32 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before 
 
 
 class LMCacheServer:
-    """One LMCache MP server process; a context manager (:meth:`start` on
-    entry, :meth:`stop` on exit)."""
+    """One LMCache MP server process: :meth:`start`, :meth:`kill` (the fault
+    a crash would be), :meth:`stop`; :meth:`start` again restarts it on the
+    same port. A context manager (:meth:`start` on entry, :meth:`stop` on
+    exit). Its log goes to ``log_path``, or to a temporary folder of its own
+    that goes with the object."""
 
-    def __init__(self, chunk_size: int | None = None, l1_size_gb: float = 0.5) -> None:
+    def __init__(
+        self,
+        log_path: Path | None = None,
+        port: int | None = None,
+        chunk_size: int | None = None,
+        l1_size_gb: float = 0.5,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         from kvmux.bench.sim import BLOCK_SIZE
 
-        self.port = _free_port()
+        self.port = port or free_port()
         self.chunk_size = chunk_size or BLOCK_SIZE  # must be vLLM's block size
         self.l1_size_gb = l1_size_gb
-        self._dir = tempfile.TemporaryDirectory(prefix="kvmux-bench-lmcache-")
-        self.log_path = Path(self._dir.name) / "server.log"
+        # More server options, after the fixed ones (e.g. "--kv-event-log-size", "0").
+        self.extra_args = list(extra_args)
+        self._dir = None
+        if log_path is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvmux-lmcache-")
+            log_path = Path(self._dir.name) / "server.log"
+        self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -104,6 +120,7 @@ class LMCacheServer:
             "auto",
             "--max-workers",
             "1",
+            *self.extra_args,
         ]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LMCacheServer:
@@ -149,18 +166,22 @@ class LMCacheServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)  # the group start_new_session created
 
+    def kill(self) -> None:
+        """SIGKILL the server and its process group, as a crash would end it."""
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+
     def stop(self) -> None:
-        """SIGTERM the server's process group, SIGKILL after 10 s; remove
-        its log. Idempotent."""
+        """SIGTERM the server's process group, SIGKILL after 10 s.
+        Idempotent; :meth:`start` may run it again."""
         if self.proc is not None:
             self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(timeout=30)
+                self.kill()
         atexit.unregister(self.stop)
-        self._dir.cleanup()
 
     def __enter__(self) -> LMCacheServer:
         return self.start()
@@ -172,6 +193,8 @@ class LMCacheServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+        if self._dir is not None:
+            self._dir.cleanup()
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -179,11 +202,12 @@ class LMCacheServer:
         except OSError:
             return "<no log>"
 
-    def child(self, name: str, **extra: Any) -> dict[str, Any]:
-        """A ``LMCacheMPConnector`` child entry for kvmux, for this server."""
+    def child(self, name: str | None = None, **extra: Any) -> dict[str, Any]:
+        """A ``LMCacheMPConnector`` child entry for this server (with kvmux's
+        ``name`` when given; without, it is also a ``KVTransferConfig``)."""
         cfg = {"lmcache.mp.host": f"tcp://{HOST}", "lmcache.mp.port": self.port, **extra}
         return {
-            "name": name,
+            **({"name": name} if name is not None else {}),
             "kv_connector": "LMCacheMPConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": cfg,
