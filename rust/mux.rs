@@ -411,33 +411,19 @@ impl Mux {
                 continue;
             }
             if !self.breakers.admit(i, req_id) {
-                // Not waited for. A child never asked about this request is
-                // still told of it once (its answer ignored): a child that
-                // keeps per-request state from its lookup (LMCache's) fails
-                // on a request it meets later without one.
                 *slot = miss;
                 excluded |= bit;
-                self.counters.child(i, Child::BreakerSkips, 1);
                 if took_part & bit == 0 {
                     asked |= bit;
-                    if ask(i, num_computed_tokens + offset).is_err() {
-                        self.counters.child(i, Child::LookupErrors, 1);
-                    }
                 }
+                self.skipped(i, took_part & bit == 0, || {
+                    ask(i, num_computed_tokens + offset).is_ok()
+                });
                 continue;
             }
             asked |= bit;
-            let got = ask(i, num_computed_tokens + offset).and_then(|m| {
-                if m.load_async && m.tokens == Some(0) {
-                    Err(ChildFault::Malformed(
-                        "returned load_async=True with 0 tokens".into(),
-                    ))
-                } else {
-                    Ok(m)
-                }
-            });
-            match got {
-                Ok(m) => {
+            match ask(i, num_computed_tokens + offset) {
+                Ok(m) if !(m.load_async && m.tokens == Some(0)) => {
                     *slot = m;
                     match m.tokens {
                         Some(t) => {
@@ -451,21 +437,16 @@ impl Mux {
                         None => {}
                     }
                 }
-                Err(fault @ ChildFault::Raised(_)) if self.breakers.has(i) => {
-                    *slot = miss;
-                    excluded |= bit;
-                    self.counters.child(i, Child::LookupErrors, 1);
-                    self.failed(i, req_id);
-                    contained.push(Contained {
-                        child: i,
-                        hook: hook::LOOKUP,
-                        first: self.warned_lookup.fetch_or(bit, Relaxed) & bit == 0,
-                        fault,
-                    });
-                }
-                Err(fault) => {
+                Ok(_) => {
+                    let fault =
+                        ChildFault::Malformed("returned load_async=True with 0 tokens".into());
                     self.forget(req_id);
                     return Err(MuxError::child(i, hook::LOOKUP, fault));
+                }
+                Err(fault) => {
+                    contained.push(self.lookup_raised(i, req_id, fault)?);
+                    *slot = miss;
+                    excluded |= bit;
                 }
             }
         }
@@ -515,6 +496,44 @@ impl Mux {
         })
     }
 
+    /// Child i's breaker is open: it is skipped (a miss, not waited for).
+    /// A child never asked about this request (`first`) is still told of it
+    /// once (`ask`; its answer ignored): a child that keeps per-request
+    /// state from its lookup (LMCache's) fails on a request it meets later
+    /// without one.
+    #[cold]
+    fn skipped(&self, i: usize, first: bool, ask: impl FnOnce() -> bool) {
+        self.counters.child(i, Child::BreakerSkips, 1);
+        if first && !ask() {
+            self.counters.child(i, Child::LookupErrors, 1);
+        }
+    }
+
+    /// Child i raised in a lookup of `req_id`: with a breaker, a contained
+    /// miss (counted, told to the breaker, returned for the caller to log);
+    /// without, the request's state is dropped and the error names it.
+    #[cold]
+    fn lookup_raised<E>(
+        &self,
+        i: usize,
+        req_id: &str,
+        fault: ChildFault<E>,
+    ) -> Result<Contained<E>, MuxError<E>> {
+        if !matches!(fault, ChildFault::Raised(_)) || !self.breakers.has(i) {
+            self.forget(req_id);
+            return Err(MuxError::child(i, hook::LOOKUP, fault));
+        }
+        let bit = 1u64 << i;
+        self.counters.child(i, Child::LookupErrors, 1);
+        self.failed(i, req_id);
+        Ok(Contained {
+            child: i,
+            hook: hook::LOOKUP,
+            first: self.warned_lookup.fetch_or(bit, Relaxed) & bit == 0,
+            fault,
+        })
+    }
+
     /// Child i failed a lookup of `req_id`: tell its breaker.
     fn failed(&self, i: usize, req_id: &str) {
         if self.breakers.record(i, req_id, Outcome::Failed) {
@@ -543,11 +562,10 @@ impl Mux {
         let mut given: PerChild<u64> = smallvec![0; n];
         let mut async_loaders = 0u64;
         if let Some((i, load_async)) = planned {
-            match self
-                .spans
-                .get(req_id)
-                .filter(|_| self.load == LoadPolicy::Compose)
-            {
+            let spans = (self.load == LoadPolicy::Compose)
+                .then(|| self.spans.get(req_id))
+                .flatten();
+            match spans {
                 Some(spans) => {
                     let mut left = num_external_tokens;
                     for (j, &(t, a)) in spans.iter().enumerate() {
@@ -740,11 +758,13 @@ impl Mux {
         hooks: &impl Fn(usize) -> &'static str,
         default: impl Fn() -> T,
         mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
-    ) -> Result<(PerChild<T>, Vec<Contained<E>>), MuxError<E>> {
+    ) -> Result<(Vec<T>, Vec<Contained<E>>), MuxError<E>> {
         let n = self.names.len();
         // Read only when a child fails (the state is still in the table).
         let mut took_part = None;
-        let mut answers = PerChild::with_capacity(n);
+        // A Vec, not a PerChild: the answers are moved out through the
+        // Result, and an inline array makes each move a copy of all of it.
+        let mut answers = Vec::with_capacity(n);
         let mut contained = Vec::new();
         let mut error = None;
         for i in 0..n {
