@@ -1,5 +1,6 @@
 //! Benches of kvmux's core, with no Python (`cargo bench --no-default-features`
 //! or `cargo bench`): the per-request table on one and on two threads, the
+//! multiplexer's scheduler-side lifecycle over constant children, the
 //! clash-checked merge, and the host tier's prefix lookup over 2,048 blocks.
 
 use std::hint::black_box;
@@ -7,7 +8,9 @@ use std::thread;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvmux_core::block_index::BlockIndex;
+use kvmux_core::error::ChildFault;
 use kvmux_core::merge::{merge, ClashPolicy, ValueEq};
+use kvmux_core::mux::{ChildFinish, Mux, Params, Want};
 use kvmux_core::requests::{ChildMatch, LoadPolicy, RequestTable};
 
 const CHILDREN: usize = 3;
@@ -88,6 +91,83 @@ fn request_table(c: &mut Criterion) {
     g.finish();
 }
 
+/// The mux bench's children never fail.
+type Never = std::convert::Infallible;
+
+/// A child's params in the mux bench (never returned: no child has any).
+struct NoParams;
+
+impl Params for NoParams {
+    type Value = Val;
+    type Error = Never;
+    fn entries(&self) -> Result<Vec<(String, Val)>, ChildFault<Self::Error>> {
+        Ok(Vec::new())
+    }
+}
+
+/// The Rust side of bench P1: `Mux`'s lookup (`first`, every child a
+/// miss), allocation (0 tokens) and finish (no params, no async save) of
+/// each request over 3 children whose answers are constants, so the time
+/// is the multiplexer's own bookkeeping only.
+fn mux_lifecycle(c: &mut Criterion) {
+    let names = (0..CHILDREN).map(|i| format!("c{i}")).collect();
+    let mux = Mux::new::<Never>(names, ClashPolicy::Error, LoadPolicy::First, 16)
+        .expect("a valid multiplexer");
+    let reqs = ids("req", REQUESTS);
+    let miss = ChildMatch {
+        tokens: Some(0),
+        load_async: false,
+    };
+    let mut g = c.benchmark_group("mux");
+    g.throughput(Throughput::Elements(REQUESTS as u64));
+    g.bench_function("lifecycle_3_children", |b| {
+        b.iter(|| {
+            // Opaque to the optimiser but in registers, as a converted
+            // Python answer is (a `black_box` of each answer would add a
+            // store-forwarding stall of its own).
+            let miss = black_box(miss);
+            for id in &reqs {
+                let got = mux
+                    .lookup(id, 16, |i, _computed| {
+                        black_box(i);
+                        Ok::<_, ChildFault<Never>>(miss)
+                    })
+                    .expect("no child fails");
+                black_box(got.tokens);
+                let chosen = mux
+                    .allocated(
+                        id,
+                        0,
+                        || Ok::<_, Never>(Vec::new()),
+                        |i, n| {
+                            black_box((i, n));
+                            Ok(())
+                        },
+                    )
+                    .expect("no child fails");
+                black_box(chosen);
+                let done = mux
+                    .finish(
+                        id,
+                        |_| "request_finished",
+                        Want::default(),
+                        |_| Ok(NoParams),
+                        |i| {
+                            black_box(i);
+                            Ok(ChildFinish::<NoParams> {
+                                async_save: false,
+                                params: None,
+                            })
+                        },
+                    )
+                    .expect("no child fails");
+                black_box(done.async_save);
+            }
+        });
+    });
+    g.finish();
+}
+
 #[derive(Clone)]
 struct Val(i64);
 
@@ -152,5 +232,11 @@ fn host_prefix_lookup(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, request_table, clash_merge, host_prefix_lookup);
+criterion_group!(
+    benches,
+    request_table,
+    mux_lifecycle,
+    clash_merge,
+    host_prefix_lookup
+);
 criterion_main!(benches);

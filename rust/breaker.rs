@@ -161,6 +161,13 @@ impl Breakers {
         self.tripped.load(Relaxed) != 0
     }
 
+    /// No breaker is open or counting a run of failures: every child is
+    /// admitted and an answer has nothing to record.
+    #[inline]
+    pub fn quiet(&self) -> bool {
+        (self.tripped.load(Relaxed) | self.failing.load(Relaxed)) == 0
+    }
+
     /// Whether request `req_id` asks child i now. A child whose breaker is
     /// open is skipped; once its cooldown passed, the first request to ask
     /// becomes the probe and asks it.

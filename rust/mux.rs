@@ -21,7 +21,9 @@ use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
 use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
-use crate::requests::{Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN};
+use crate::requests::{
+    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN,
+};
 use crate::stats::{Child, Counters, Snapshot, Total};
 
 /// The key the multiplexer adds to a finished request's params when the
@@ -33,9 +35,28 @@ pub const BY_CHILD_KEY: &str = "cached_tokens_by_child";
 /// In [`BY_CHILD_KEY`]'s answer: vLLM's local prefix cache.
 pub const LOCAL_KEY: &str = "local_prefix_cache";
 
+/// A child's answer of no tokens (also what an excluded child counts as).
+const MISS: ChildMatch = ChildMatch {
+    tokens: Some(0),
+    load_async: false,
+};
+
 /// One value per child, on the stack for the usual handful of children:
 /// the hooks that run once per request allocate nothing for them.
-pub type PerChild<T> = SmallVec<[T; 8]>;
+pub type PerChild<T> = SmallVec<[T; INLINE]>;
+/// Children a [`PerChild`] holds on the stack.
+pub const INLINE: usize = 8;
+
+/// `n` zeros, one per child. Not `smallvec![0; n]`: that fills a buffer
+/// with a `memset` call and copies it in, a store-forwarding stall that
+/// cost the allocation and the finish ~10 ns each.
+fn zeros(n: usize) -> PerChild<u64> {
+    if n <= INLINE {
+        SmallVec::from_buf_and_len([0; INLINE], n)
+    } else {
+        smallvec![0; n]
+    }
+}
 
 /// Which of the multiplexer's own params a finishing request asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -362,6 +383,70 @@ impl Mux {
         &self,
         req_id: &str,
         num_computed_tokens: u64,
+        ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
+    ) -> Result<Looked<E>, MuxError<E>> {
+        // The usual configuration and moment: no deadline, not `compose`,
+        // no breaker open or counting failures, no request with a child
+        // out of its lookups. Then every child is asked the same and no
+        // breaker needs telling of an answer, so none of the bookkeeping
+        // below can matter (one snapshot of the flags, read once).
+        if !self.any_deadline
+            && self.load != LoadPolicy::Compose
+            && self.breakers.quiet()
+            && !self.table.any_excluded()
+        {
+            return self.lookup_plain(req_id, num_computed_tokens, ask);
+        }
+        self.lookup_full(req_id, num_computed_tokens, ask)
+    }
+
+    /// [`Mux::lookup`] when nothing but the answers matters: every child
+    /// asked for the tokens after `num_computed_tokens`, no deadline, no
+    /// breaker admit or record (a raising child is still contained by its
+    /// breaker, which then leaves this path for the next lookups).
+    #[inline]
+    fn lookup_plain<E>(
+        &self,
+        req_id: &str,
+        num_computed_tokens: u64,
+        mut ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
+    ) -> Result<Looked<E>, MuxError<E>> {
+        let n = self.names.len();
+        let mut matches: PerChild<ChildMatch> = SmallVec::new();
+        let mut contained = Vec::new();
+        let mut excluded = 0u64;
+        for i in 0..n {
+            let m = match ask(i, num_computed_tokens) {
+                Ok(m) if !(m.load_async && m.tokens == Some(0)) => m,
+                Ok(_) => return Err(self.malformed_lookup(i, req_id)),
+                Err(fault) => {
+                    contained.push(self.lookup_raised(i, req_id, fault)?);
+                    excluded |= 1u64 << i;
+                    MISS
+                }
+            };
+            matches.push(m);
+        }
+        let who = Asked {
+            since: None,
+            excluded,
+            asked: all_children(n),
+        };
+        let got = self
+            .table
+            .lookup_at(req_id, num_computed_tokens, self.load, &matches, who);
+        self.count_lookup(&got, &matches);
+        Ok(Looked {
+            lookup: got,
+            contained,
+        })
+    }
+
+    /// [`Mux::lookup`] with deadlines, breakers, exclusions and `compose`.
+    fn lookup_full<E>(
+        &self,
+        req_id: &str,
+        num_computed_tokens: u64,
         mut ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Looked<E>, MuxError<E>> {
         let unset = ChildMatch {
@@ -386,10 +471,6 @@ impl Mux {
             } else {
                 (None, None, 0, 0)
             };
-        let miss = ChildMatch {
-            tokens: Some(0),
-            load_async: false,
-        };
         let mut contained = Vec::new();
         // The children asked (they take part in the request).
         let mut asked = 0u64;
@@ -407,11 +488,11 @@ impl Mux {
                 continue;
             }
             if excluded & bit != 0 {
-                *slot = miss;
+                *slot = MISS;
                 continue;
             }
             if !self.breakers.admit(i, req_id) {
-                *slot = miss;
+                *slot = MISS;
                 excluded |= bit;
                 if took_part & bit == 0 {
                     asked |= bit;
@@ -437,15 +518,10 @@ impl Mux {
                         None => {}
                     }
                 }
-                Ok(_) => {
-                    let fault =
-                        ChildFault::Malformed("returned load_async=True with 0 tokens".into());
-                    self.forget(req_id);
-                    return Err(MuxError::child(i, hook::LOOKUP, fault));
-                }
+                Ok(_) => return Err(self.malformed_lookup(i, req_id)),
                 Err(fault) => {
                     contained.push(self.lookup_raised(i, req_id, fault)?);
-                    *slot = miss;
+                    *slot = MISS;
                     excluded |= bit;
                 }
             }
@@ -454,7 +530,7 @@ impl Mux {
             for (i, slot) in matches.iter_mut().enumerate() {
                 let late = self.deadlines[i].is_some_and(|d| now.duration_since(since) >= d);
                 if slot.tokens.is_none() && late && unasked & (1u64 << i) == 0 {
-                    *slot = miss;
+                    *slot = MISS;
                     excluded |= 1u64 << i;
                     self.counters.child(i, Child::LookupTimeouts, 1);
                     self.failed(i, req_id);
@@ -480,6 +556,16 @@ impl Mux {
                 .collect();
             self.spans.insert(req_id.to_owned(), spans);
         }
+        self.count_lookup(&got, matches);
+        Ok(Looked {
+            lookup: got,
+            contained,
+        })
+    }
+
+    /// Count a lookup's answer: answered, and each child's hit.
+    #[inline]
+    fn count_lookup(&self, got: &Lookup, matches: &[ChildMatch]) {
         if got.tokens.is_some() {
             self.counters.lookup_answered();
             for (i, m) in matches.iter().enumerate() {
@@ -490,10 +576,15 @@ impl Mux {
                 }
             }
         }
-        Ok(Looked {
-            lookup: got,
-            contained,
-        })
+    }
+
+    /// Child i answered a lookup with an async load of 0 tokens: the
+    /// request's state is dropped and the error names the child.
+    #[cold]
+    fn malformed_lookup<E>(&self, i: usize, req_id: &str) -> MuxError<E> {
+        let fault = ChildFault::Malformed("returned load_async=True with 0 tokens".into());
+        self.forget(req_id);
+        MuxError::child(i, hook::LOOKUP, fault)
     }
 
     /// Child i's breaker is open: it is skipped (a miss, not waited for).
@@ -559,7 +650,7 @@ impl Mux {
         let chosen = planned.map(|(i, _)| i);
         // What each child loads: the chosen child all of it, or under
         // `compose` each its span (cut from the end to what vLLM allocated).
-        let mut given: PerChild<u64> = smallvec![0; n];
+        let mut given = zeros(n);
         let mut async_loaders = 0u64;
         if let Some((i, load_async)) = planned {
             let spans = (self.load == LoadPolicy::Compose)
@@ -649,32 +740,34 @@ impl Mux {
         call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
     ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
         self.unwatch(req_id);
-        let default = || ChildFinish {
-            async_save: false,
-            params: None,
-        };
-        let (answers, contained) = self.call_on_exit(req_id, &hooks, default, call)?;
-        self.release_probe(req_id);
-        let seen = self.table.finish(req_id);
-        let state = seen.unwrap_or_default();
-        self.counters.total(Total::Finished, 1);
-        let mut n_async = 0u32;
+        // The answers are taken as they come (no vector of them): the
+        // children saving asynchronously, and the params (a contained
+        // child counts as neither).
         let mut savers = 0u64;
         let mut sources: Vec<(usize, P)> = Vec::new();
-        for (i, ans) in answers.into_iter().enumerate() {
+        let contained = self.call_on_exit(req_id, &hooks, call, |i, ans| {
             if ans.async_save {
-                n_async += 1;
                 savers |= 1u64 << i;
-                self.counters.child(i, Child::AsyncSaves, 1);
             }
             if let Some(p) = ans.params {
                 sources.push((i, p));
             }
+        })?;
+        self.release_probe(req_id);
+        let seen = self.table.finish(req_id);
+        let state = seen.unwrap_or_default();
+        self.counters.total(Total::Finished, 1);
+        let n_async = savers.count_ones();
+        let mut bits = savers;
+        while bits != 0 {
+            self.counters
+                .child(bits.trailing_zeros() as usize, Child::AsyncSaves, 1);
+            bits &= bits - 1;
         }
         // Who supplied the loaded tokens: the chosen child, or under
         // `compose` each its span, in order (a failed load cut them from
         // the first bad block on).
-        let mut by_child: PerChild<u64> = smallvec![0; self.names.len()];
+        let mut by_child = zeros(self.names.len());
         match self.drop_spans(req_id) {
             Some(spans) => {
                 let mut left = state.loaded_tokens;
@@ -745,33 +838,33 @@ impl Mux {
         req_id: &str,
         call: impl FnMut(usize) -> Result<bool, ChildFault<E>>,
     ) -> Result<(bool, Vec<Contained<E>>), MuxError<E>> {
-        let (answers, contained) =
-            self.call_on_exit(req_id, &|_| hook::PARTIAL_TAIL, || false, call)?;
-        Ok((answers.into_iter().any(|a| a), contained))
+        let mut any = false;
+        let contained =
+            self.call_on_exit(req_id, &|_| hook::PARTIAL_TAIL, call, |_, a| any |= a)?;
+        Ok((any, contained))
     }
 
-    /// Call every child for a request on its way out; see [`Mux::finish`].
+    /// Call every child for a request on its way out (see [`Mux::finish`]);
+    /// each answer goes to `take(i, answer)` as it comes, a failed child's
+    /// to nobody. Neither the answers nor their results are collected: the
+    /// usual finish allocates nothing.
     #[allow(clippy::type_complexity)]
     fn call_on_exit<T, E>(
         &self,
         req_id: &str,
         hooks: &impl Fn(usize) -> &'static str,
-        default: impl Fn() -> T,
         mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
-    ) -> Result<(Vec<T>, Vec<Contained<E>>), MuxError<E>> {
+        mut take: impl FnMut(usize, T),
+    ) -> Result<Vec<Contained<E>>, MuxError<E>> {
         let n = self.names.len();
         // Read only when a child fails (the state is still in the table).
         let mut took_part = None;
-        // A Vec, not a PerChild: the answers are moved out through the
-        // Result, and an inline array makes each move a copy of all of it.
-        let mut answers = Vec::with_capacity(n);
         let mut contained = Vec::new();
         let mut error = None;
         for i in 0..n {
             match call(i) {
-                Ok(a) => answers.push(a),
+                Ok(a) => take(i, a),
                 Err(fault) => {
-                    answers.push(default());
                     let part = *took_part
                         .get_or_insert_with(|| self.table.get(req_id).map_or(0, |s| s.took_part));
                     if part & (1u64 << i) != 0 {
@@ -794,7 +887,7 @@ impl Mux {
             self.forget(req_id);
             return Err(e);
         }
-        Ok((answers, contained))
+        Ok(contained)
     }
 
     /// Merge several sources' params under the clash policy; the resolved

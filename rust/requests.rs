@@ -147,7 +147,8 @@ impl RequestState {
     }
 }
 
-fn all_children(n: usize) -> u64 {
+/// The bit set of `n` children (all of them).
+pub fn all_children(n: usize) -> u64 {
     if n >= MAX_CHILDREN {
         u64::MAX
     } else {
