@@ -26,41 +26,15 @@ from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventPublisher,
-    KVEventBatch,
 )
 
 from kvmux.bench import sim
 from kvmux.events import deduplicated
 from tests.harness import BLOCK_SIZE, KVTransferConfig, child, mux_config
+from tests.published import Published
 
 PREFIX = list(range(500, 548))  # 3 full blocks
 EVENTS = "tests.event_children"
-
-
-class Published(EventPublisher):
-    """vLLM's publisher interface, keeping what it is handed as a subscriber
-    would decode it."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-        self.batches: list[KVEventBatch] = []
-        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-
-    def publish(self, events: Any) -> None:
-        self.batches.append(self._decode(msgspec.msgpack.encode(events)))
-
-    def shutdown(self) -> None:
-        pass
-
-    def events(self, medium: str | None = None, ownership: Any = ...) -> list[Any]:
-        return [
-            e
-            for b in self.batches
-            for e in b.events
-            if (medium is None or getattr(e, "medium", None) == medium)
-            and (ownership is ... or getattr(e, "ownership", None) == ownership)
-        ]
 
 
 @pytest.fixture

@@ -53,13 +53,12 @@ from vllm.distributed.kv_events import (
     MEDIUM_GPU,
     BlockRemoved,
     BlockStored,
-    EventPublisher,
-    KVEventBatch,
 )
 
 from kvmux.bench import sim
 from tests.harness import SchedulerSim, mux_config
 from tests.lmcache_server import LMCacheServer, time_limit
+from tests.published import Published
 
 pytest.importorskip("lmcache.v1.multiprocess.server", reason="LMCache is not installed")
 
@@ -73,29 +72,6 @@ LM, HOST = "LMCacheMPConnector", "KvmuxHostCache"
 CHUNK = 16  # the server's --chunk-size: vLLM's block size here
 PREFIX = list(range(700, 748))  # 3 chunks
 EXTENDED = PREFIX + list(range(900, 916))  # the same 3 and one more
-
-
-class Published(EventPublisher):
-    """vLLM's publisher interface, keeping each batch as a subscriber decodes it."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-        self.batches: list[KVEventBatch] = []
-        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-
-    def publish(self, events: Any) -> None:
-        self.batches.append(self._decode(msgspec.msgpack.encode(events)))
-
-    def shutdown(self) -> None:
-        pass
-
-    def events(self, medium: str | None = None) -> list[Any]:
-        return [
-            e
-            for b in self.batches
-            for e in b.events
-            if medium is None or getattr(e, "medium", None) == medium
-        ]
 
 
 def host_child() -> dict[str, Any]:
