@@ -170,6 +170,30 @@ def unlabelled(events: list[Any]) -> list[Any]:
     return [msgspec.structs.replace(e, ownership=None) for e in events]
 
 
+def assert_same_chunks(got: list[Any], want: list[Any], source: str) -> None:
+    """``got`` announces what ``want`` does (events, or :func:`per_block`
+    tuples). From the server's log a chunk's parent is sometimes missing, in
+    LMCache's runs alone and under kvmux alike (measured: the 4th chunk,
+    stored by a later request than its parent, has parent None in about 1
+    run of 3; never a wrong parent): LMCache's timing, not kvmux's. Hashes,
+    tokens and order must match; parents must match where both are set."""
+    if source != "server-log":
+        assert got == want
+        return
+
+    def parent(x: Any) -> Any:
+        return x[1] if isinstance(x, tuple) else x.parent_block_hash
+
+    def without_parent(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return (x[0], None, *x[2:])
+        return msgspec.structs.replace(x, parent_block_hash=None)
+
+    assert [without_parent(x) for x in got] == [without_parent(x) for x in want]
+    for g, w in zip(got, want, strict=True):
+        assert None in (parent(g), parent(w)) or parent(g) == parent(w)
+
+
 #: The two ways LMCache 0.5.6 announces its stores on a CPU worker (see the
 #: module doc): (server options, LMCacheMPConnector extra config).
 SOURCES = {
@@ -216,13 +240,14 @@ def runs(
 # ------------------------------------------------------------------- alone
 
 
-def test_lmcache_alone_announces_each_stored_chunk_with_its_own_hashes(runs):
+def test_lmcache_alone_announces_each_stored_chunk_with_its_own_hashes(runs, request):
     """The reference, from either source: LMCache alone announces every chunk
     it stored, once, in CPU, with LMCache's hashes (not vLLM's) and the
     chunk's tokens."""
     cpu = runs["alone"].events(MEDIUM_CPU)
     assert cpu and all(isinstance(e, BlockStored) for e in cpu)
-    assert per_block(cpu) == lmcache_chunks(EXTENDED)  # 3 chunks of A, B's 4th
+    source = request.node.callspec.params["runs"]
+    assert_same_chunks(per_block(cpu), lmcache_chunks(EXTENDED), source)  # A's 3, B's 4th
     for e in cpu:
         assert e.block_size == CHUNK and e.ownership is None
     gpu = per_block(runs["alone"].events(MEDIUM_GPU))
@@ -232,19 +257,20 @@ def test_lmcache_alone_announces_each_stored_chunk_with_its_own_hashes(runs):
 # ------------------------------------------------------------------ kvmux
 
 
-def test_kvmux_publishes_lmcaches_events_labelled_with_lmcache(runs):
+def test_kvmux_publishes_lmcaches_events_labelled_with_lmcache(runs, request):
     """Under kvmux, LMCache's events are exactly those it publishes alone on
-    the same workload (same hashes, parents, tokens, order), each labelled
+    the same workload (same hashes, parents, tokens, order; see
+    :func:`assert_same_chunks` for the server log's parents), each labelled
     ``LMCacheMPConnector``, none repeated."""
     alone = runs["alone"].events(MEDIUM_CPU)
     mine = [e for e in runs["kvmux"].events(MEDIUM_CPU) if e.ownership == LM]
     assert mine and all(isinstance(e, BlockStored) for e in mine)
-    assert unlabelled(mine) == alone
+    assert_same_chunks(unlabelled(mine), alone, request.node.callspec.params["runs"])
     blocks = [h for e in mine for h in e.block_hashes]
     assert len(blocks) == len(set(blocks)) == 4  # each chunk announced once
 
 
-def test_the_host_tiers_and_lmcaches_events_are_both_present_and_distinguishable(runs):
+def test_the_host_tiers_and_lmcaches_events_are_both_present_and_distinguishable(runs, request):
     """Every CPU event names its tier: the host tier's carry vLLM's block
     hashes (those of vLLM's GPU events), LMCache's its own; both hold the
     prefix, so a router sees two residencies of it."""
@@ -254,7 +280,8 @@ def test_the_host_tiers_and_lmcaches_events_are_both_present_and_distinguishable
     lm = [e for e in cpu if e.ownership == LM]
     gpu = stored(runs["kvmux"].events(MEDIUM_GPU))
     assert per_block(host) == per_block(gpu)  # vLLM's hashes, parents and tokens
-    assert per_block(lm) == lmcache_chunks(EXTENDED)
+    source = request.node.callspec.params["runs"]
+    assert_same_chunks(per_block(lm), lmcache_chunks(EXTENDED), source)
     # The same tokens held by both tiers, under two labels and two hash spaces.
     assert [t for _, _, t in per_block(host)] == [t for _, _, t in per_block(lm)]
     assert not any(isinstance(e, BlockRemoved) for e in cpu)
