@@ -41,8 +41,6 @@ class HostCacheWorker:
         self._awaiting: set[str] = set()
         self._out = HostCacheWorkerMetadata()
         self._load_errors: set[int] = set()
-        # This step's saves: device block -> the slots it is copied into.
-        self._step_saves: dict[int, list[int]] = defaultdict(list)
         self.stats = HostCacheStats()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -72,7 +70,6 @@ class HostCacheWorker:
             self.pool.fence()
         self._meta = meta
         self._awaiting.update(meta.finished_async)
-        self._step_saves.clear()
 
     def clear(self) -> None:
         self._meta = None
@@ -135,8 +132,6 @@ class HostCacheWorker:
             for job in group_jobs:
                 blocks.extend(job.blocks)
                 slots.extend(job.slots)
-                for b, slot in zip(job.blocks, job.slots, strict=True):
-                    self._step_saves[b].append(slot)
                 owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
             try:
                 transfer = self._need_pool().save(blocks, slots, group)
@@ -181,8 +176,19 @@ class HostCacheWorker:
         """Device ``blocks`` failed to load this step (their KV is not
         there; vLLM recomputes them): this step's saves copied them, so
         those slots are reported failed, never committed, and the tier
-        never serves what it did not hold. Returns how many slots."""
-        bad = {slot for b in blocks for slot in self._step_saves.get(b, ())}
+        never serves what it did not hold. Returns how many slots. (The
+        step's saves are read from its metadata, still bound: vLLM asks for
+        load errors before it clears it; nothing is kept per step for this
+        rare case.)"""
+        meta = self._meta
+        if meta is None:
+            return 0
+        bad = {
+            slot
+            for job in meta.saves
+            for b, slot in zip(job.blocks, job.slots, strict=True)
+            if b in blocks
+        }
         if not bad:
             return 0
         for _, owners in self._saves:
