@@ -151,6 +151,7 @@ fn mux_lifecycle(c: &mut Criterion) {
                         id,
                         |_| "request_finished",
                         Want::default(),
+                        |_| false,
                         |_| Ok(NoParams),
                         |i| {
                             black_box(i);

@@ -49,7 +49,22 @@ impl FromStr for ClashPolicy {
     }
 }
 
-/// A key returned by two sources that the policy refuses.
+/// How a key that several sources return is merged, decided per key (and
+/// asked only when a key is returned twice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRule {
+    /// Under the [`ClashPolicy`].
+    Policy,
+    /// Every source's value is kept, by source ([`Merged::others`]): the key
+    /// was asked for by the request itself (a client chose it, so a clash on
+    /// it is never an error, whatever the policy).
+    PerSource,
+    /// The value of this source wins (the multiplexer's own keys).
+    Own(usize),
+}
+
+/// A key returned by two sources: refused by the policy (an error), or
+/// resolved (by the policy or by its [`KeyRule`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Clash {
     pub key: String,
@@ -57,6 +72,8 @@ pub struct Clash {
     pub first: usize,
     /// Index of the source that returned it again.
     pub second: usize,
+    /// The rule that resolved it ([`KeyRule::Policy`] for a refusal).
+    pub rule: KeyRule,
 }
 
 impl fmt::Display for Clash {
@@ -75,6 +92,9 @@ pub struct Merged<V> {
     pub key: String,
     pub value: V,
     pub source: usize,
+    /// Under [`KeyRule::PerSource`], the later sources' values of the key
+    /// (`value` is the first one's); empty otherwise.
+    pub others: Vec<(usize, V)>,
 }
 
 /// The outcome of a successful merge.
@@ -82,8 +102,9 @@ pub struct Merged<V> {
 pub struct MergeOutcome<V> {
     /// Merged entries in first-seen order.
     pub entries: Vec<Merged<V>>,
-    /// Keys that clashed but were resolved by `first`/`last` (with `error`,
-    /// equal values are not clashes and never appear here).
+    /// Keys that clashed but were resolved: by `first`/`last`, or by their
+    /// [`KeyRule`] (once per key). With `error`, equal values under the
+    /// policy are not clashes and never appear here.
     pub resolved: Vec<Clash>,
 }
 
@@ -115,6 +136,22 @@ where
     I: IntoIterator<Item = (K, V)>,
     S: IntoIterator<Item = (usize, I)>,
 {
+    merge_by(policy, sources, |_| KeyRule::Policy)
+}
+
+/// [`merge`], with `rule(key)` saying how a key returned twice is merged
+/// (asked once per clash, never on the usual path of distinct keys).
+pub fn merge_by<V, K, I, S>(
+    policy: ClashPolicy,
+    sources: S,
+    rule: impl Fn(&str) -> KeyRule,
+) -> Result<MergeOutcome<V>, MergeError<V::Error>>
+where
+    V: ValueEq,
+    K: AsRef<str>,
+    I: IntoIterator<Item = (K, V)>,
+    S: IntoIterator<Item = (usize, I)>,
+{
     let mut entries: Vec<Merged<V>> = Vec::new();
     let mut resolved = Vec::new();
     for (source, pairs) in sources {
@@ -125,14 +162,36 @@ where
                     key: key.to_owned(),
                     value,
                     source,
+                    others: Vec::new(),
                 });
                 continue;
             };
-            let clash = Clash {
+            let mut clash = Clash {
                 key: key.to_owned(),
                 first: slot.source,
                 second: source,
+                rule: KeyRule::Policy,
             };
+            match rule(key) {
+                KeyRule::Policy => {}
+                KeyRule::PerSource => {
+                    clash.rule = KeyRule::PerSource;
+                    if slot.others.is_empty() {
+                        resolved.push(clash);
+                    }
+                    slot.others.push((source, value));
+                    continue;
+                }
+                KeyRule::Own(own) => {
+                    clash.rule = KeyRule::Own(own);
+                    if source == own {
+                        slot.value = value;
+                        slot.source = own;
+                    }
+                    resolved.push(clash);
+                    continue;
+                }
+            }
             match policy {
                 ClashPolicy::Strict => return Err(MergeError::Clash(clash)),
                 ClashPolicy::Error => {
@@ -196,7 +255,8 @@ mod tests {
             MergeError::Clash(Clash {
                 key: "x".into(),
                 first: 0,
-                second: 2
+                second: 2,
+                rule: KeyRule::Policy,
             })
         );
     }
@@ -217,6 +277,73 @@ mod tests {
         let last = run(ClashPolicy::Last, &[&[("a", 1)], &[("a", 2)]]).unwrap();
         assert_eq!((last.entries[0].value, last.entries[0].source), (2, 1));
         assert_eq!(last.resolved[0].first, 0);
+    }
+
+    fn run_by(
+        policy: ClashPolicy,
+        srcs: &[&[(&str, i64)]],
+        rule: impl Fn(&str) -> KeyRule,
+    ) -> MergeOutcome<i64> {
+        merge_by(
+            policy,
+            srcs.iter()
+                .enumerate()
+                .map(|(i, s)| (i, s.iter().map(|&(k, v)| (k, v)))),
+            rule,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_key_the_request_asked_for_is_kept_per_source_under_every_policy() {
+        let asked = |k: &str| {
+            if k == "stats" {
+                KeyRule::PerSource
+            } else {
+                KeyRule::Policy
+            }
+        };
+        for policy in [
+            ClashPolicy::Error,
+            ClashPolicy::Strict,
+            ClashPolicy::First,
+            ClashPolicy::Last,
+        ] {
+            let out = run_by(
+                policy,
+                &[&[("stats", 1), ("a", 7)], &[("stats", 2)], &[("stats", 3)]],
+                asked,
+            );
+            let e = &out.entries[0];
+            assert_eq!((e.key.as_str(), e.value, e.source), ("stats", 1, 0));
+            assert_eq!(e.others, vec![(1, 2), (2, 3)], "{policy:?}");
+            // Counted (and warned) once per key, as resolved by its rule.
+            assert_eq!(out.resolved.len(), 1);
+            assert_eq!(out.resolved[0].rule, KeyRule::PerSource);
+            assert!(out.entries[1].others.is_empty());
+        }
+        // A key nobody asked for still follows the policy.
+        assert!(merge_by(
+            ClashPolicy::Strict,
+            [(0, [("a", 1)]), (1, [("a", 1)])],
+            asked
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn an_own_key_takes_the_owners_value_under_every_policy() {
+        for policy in [ClashPolicy::Error, ClashPolicy::Strict, ClashPolicy::First] {
+            let out = run_by(policy, &[&[("n", 5)], &[("m", 1)], &[("n", 9)]], |k| {
+                if k == "n" {
+                    KeyRule::Own(2)
+                } else {
+                    KeyRule::Policy
+                }
+            });
+            assert_eq!((out.entries[0].value, out.entries[0].source), (9, 2));
+            assert_eq!(out.resolved[0].rule, KeyRule::Own(2));
+        }
     }
 
     #[test]

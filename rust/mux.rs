@@ -20,7 +20,7 @@ use smallvec::{smallvec, SmallVec};
 use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
 use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
-use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
+use crate::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged, ValueEq};
 use crate::requests::{
     all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN,
 };
@@ -131,8 +131,10 @@ pub struct ChildFinish<P> {
 pub enum FinishedParams<P, V> {
     /// One source only: its params, uncopied.
     Source(P),
-    /// Several sources, merged under the clash policy (first-seen order).
-    Merged(Vec<(String, V)>),
+    /// Several sources, merged under the clash policy (first-seen order); a
+    /// key the request asked for that several sources returned holds every
+    /// source's value ([`Merged::others`]).
+    Merged(Vec<Merged<V>>),
 }
 
 /// A failure of a child on a request it never took part in, contained by
@@ -166,7 +168,8 @@ impl<E> std::ops::Deref for Looked<E> {
 pub struct Finished<P, V, E> {
     pub async_save: bool,
     pub params: Option<FinishedParams<P, V>>,
-    /// Clashes resolved by `first`/`last` on keys never warned about before.
+    /// Clashes resolved (by `first`/`last`, or by the key's [`KeyRule`]) on
+    /// keys never warned about before.
     pub new_clashes: Vec<Clash>,
     pub contained: Vec<Contained<E>>,
 }
@@ -497,20 +500,32 @@ impl Mux {
                 if took_part & bit == 0 {
                     asked |= bit;
                 }
+                let mut interrupted = None;
                 self.skipped(i, took_part & bit == 0, || {
-                    ask(i, num_computed_tokens + offset).is_ok()
+                    match ask(i, num_computed_tokens.saturating_add(offset)) {
+                        Ok(_) => true,
+                        Err(ChildFault::Interrupt(e)) => {
+                            interrupted = Some(e);
+                            true
+                        }
+                        Err(_) => false,
+                    }
                 });
+                if let Some(e) = interrupted {
+                    self.forget(req_id);
+                    return Err(MuxError::child(i, hook::LOOKUP, ChildFault::Interrupt(e)));
+                }
                 continue;
             }
             asked |= bit;
-            match ask(i, num_computed_tokens + offset) {
+            match ask(i, num_computed_tokens.saturating_add(offset)) {
                 Ok(m) if !(m.load_async && m.tokens == Some(0)) => {
                     *slot = m;
                     match m.tokens {
                         Some(t) => {
                             self.breakers.record(i, req_id, Outcome::Answered);
                             if compose {
-                                offset += t;
+                                offset = offset.saturating_add(t);
                             }
                         }
                         // The children after this one are not asked.
@@ -727,7 +742,12 @@ impl Mux {
     /// - the tokens each child supplied and those of the local prefix cache
     ///   are counted (`served_tokens`, `local_cached_tokens`);
     /// - a single source of params is handed back uncopied; several are
-    ///   merged under the clash policy, warning once per resolved key.
+    ///   merged under the clash policy, warning once per resolved key;
+    /// - a clash is never an error on a key the request itself asked for
+    ///   (`asked(key)`: the client chose which keys the children answer):
+    ///   every source's value is kept, by source ([`KeyRule::PerSource`]);
+    ///   nor on the multiplexer's own keys, where its value wins (a nested
+    ///   kvmux answers them too). Both are counted as resolved clashes.
     ///
     /// The request's state is gone afterwards, whether this succeeds or not.
     #[allow(clippy::type_complexity)]
@@ -736,6 +756,7 @@ impl Mux {
         req_id: &str,
         hooks: impl Fn(usize) -> &'static str,
         want: Want,
+        asked: impl Fn(&str) -> bool,
         own: impl FnOnce(&Supplied) -> Result<P, P::Error>,
         call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
     ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
@@ -817,7 +838,19 @@ impl Mux {
                 Vec::new(),
             ),
             _ => {
-                let (merged, warn) = self.merge(&hooks, sources)?;
+                let n = self.names.len();
+                let rule = |key: &str| {
+                    let own =
+                        (want.extra && key == EXTRA_KEY) || (want.by_child && key == BY_CHILD_KEY);
+                    if own {
+                        KeyRule::Own(n)
+                    } else if asked(key) {
+                        KeyRule::PerSource
+                    } else {
+                        KeyRule::Policy
+                    }
+                };
+                let (merged, warn) = self.merge(&hooks, sources, rule)?;
                 (Some(FinishedParams::Merged(merged)), warn)
             }
         };
@@ -867,7 +900,7 @@ impl Mux {
                 Err(fault) => {
                     let part = *took_part
                         .get_or_insert_with(|| self.table.get(req_id).map_or(0, |s| s.took_part));
-                    if part & (1u64 << i) != 0 {
+                    if part & (1u64 << i) != 0 || matches!(fault, ChildFault::Interrupt(_)) {
                         error.get_or_insert(MuxError::child(i, hooks(i), fault));
                     } else {
                         self.counters.child(i, Child::ContainedErrors, 1);
@@ -897,16 +930,17 @@ impl Mux {
         &self,
         hooks: &impl Fn(usize) -> &'static str,
         sources: Vec<(usize, P)>,
-    ) -> Result<(Vec<(String, P::Value)>, Vec<Clash>), MuxError<P::Error>> {
+        rule: impl Fn(&str) -> KeyRule,
+    ) -> Result<(Vec<Merged<P::Value>>, Vec<Clash>), MuxError<P::Error>> {
         let mut pairs = Vec::with_capacity(sources.len());
         for (i, p) in &sources {
             let kv = p.entries().map_err(|fault| match fault {
-                ChildFault::Raised(e) => MuxError::Host(e),
+                ChildFault::Raised(e) | ChildFault::Interrupt(e) => MuxError::Host(e),
                 malformed => MuxError::child(*i, hooks(*i), malformed),
             })?;
             pairs.push((*i, kv));
         }
-        match merge::merge(self.clash, pairs) {
+        match merge::merge_by(self.clash, pairs, rule) {
             Ok(out) => {
                 self.counters
                     .total(Total::ClashesResolved, out.resolved.len() as u64);
@@ -915,8 +949,7 @@ impl Mux {
                     .into_iter()
                     .filter(|c| self.warned_keys.insert(c.key.clone()))
                     .collect();
-                let merged = out.entries.into_iter().map(|e| (e.key, e.value)).collect();
-                Ok((merged, warn))
+                Ok((out.entries, warn))
             }
             Err(MergeError::Compare(e)) => Err(MuxError::Host(e)),
             Err(MergeError::Clash(c)) => {
@@ -986,7 +1019,7 @@ impl Mux {
             let lost = if failed_request(e.key()) {
                 external
             } else {
-                let end = local + external;
+                let end = local.saturating_add(external);
                 let blocks = e.value();
                 let last = blocks.len().min(end.div_ceil(bs) as usize);
                 ((local / bs) as usize..last)
@@ -1180,6 +1213,7 @@ mod tests {
                 extra: true,
                 by_child: true,
             },
+            |_| false,
             |s: &Supplied| {
                 got = Some(s.clone());
                 own(s)
@@ -1212,6 +1246,7 @@ mod tests {
             req,
             |_| hook::FINISHED,
             want(want_extra),
+            |k| k == "asked",
             own,
             |_| answers.next().unwrap(),
         )
@@ -1282,6 +1317,7 @@ mod tests {
             "r",
             |_| hook::FINISHED,
             want(false),
+            |_| false,
             own,
             |i| {
                 finished.push(i);
@@ -1340,6 +1376,53 @@ mod tests {
     }
 
     #[test]
+    fn an_interrupt_is_never_contained() {
+        // With a breaker a raising lookup is a contained miss; an interrupt
+        // (Ctrl-C in a child) is handed back, and the request forgotten.
+        let m = with_breaker(3, 1000, None);
+        let err = m
+            .lookup("r", 0, |i, _| {
+                if i == 0 {
+                    Err(ChildFault::Interrupt("KeyboardInterrupt".into()))
+                } else {
+                    hit(0)
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                fault: ChildFault::Interrupt(_),
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert_eq!(count(&m, 0, Child::LookupErrors), 0);
+        // On the way out, a child that never took part fails the call when
+        // interrupted (a raise would be contained), after every child ran.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let answers = vec![Err(ChildFault::Interrupt("SystemExit".into())), done(true, None)];
+        let err = finish_with(&m, "x", false, answers).unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                fault: ChildFault::Interrupt(_),
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn huge_composed_counts_saturate_instead_of_wrapping() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
+        let big = i64::MAX as u64;
+        let got = m.lookup("r", 0, |i, _| hit([big, big, 5][i])).unwrap();
+        assert_eq!(got.tokens, Some(u64::MAX));
+    }
+
+    #[test]
     fn consecutive_failures_open_the_breaker_and_skip_the_child() {
         let m = with_breaker(2, 30, Some(Duration::ZERO));
         // A request that waits on child 0 with a deadline not yet passed.
@@ -1392,6 +1475,7 @@ mod tests {
             "c",
             |_| hook::FINISHED,
             want(false),
+            |_| false,
             own,
             |i| {
                 finished.push(i);
@@ -1813,6 +1897,7 @@ mod tests {
                 "r",
                 |_| hook::FINISHED_ALL_GROUPS,
                 want(false),
+                |_| false,
                 own,
                 |i| {
                     called.push(i);
@@ -1850,13 +1935,11 @@ mod tests {
 
         let m = mux(2, ClashPolicy::Last, LoadPolicy::First);
         let f = finish_with(&m, "r", false, vec![a(), b()]).unwrap();
-        assert_eq!(
-            f.params,
-            Some(FinishedParams::Merged(vec![
-                ("k".into(), V(2)),
-                ("a".into(), V(5))
-            ]))
-        );
+        let Some(FinishedParams::Merged(merged)) = &f.params else {
+            panic!("merged params expected");
+        };
+        let kv: Vec<_> = merged.iter().map(|e| (e.key.as_str(), &e.value)).collect();
+        assert_eq!(kv, [("k", &V(2)), ("a", &V(5))]);
         assert_eq!(f.new_clashes.len(), 1);
         let f = finish_with(&m, "s", false, vec![a(), b()]).unwrap();
         assert!(f.new_clashes.is_empty(), "warned once per key");
@@ -1985,19 +2068,50 @@ mod tests {
     }
 
     #[test]
-    fn own_params_clash_like_a_child() {
-        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
-        let child = done(false, Some(P(vec![(EXTRA_KEY, 9)])));
-        let err = finish_with(&m, "r", true, vec![child]).unwrap_err();
-        assert!(matches!(
-            err,
-            MuxError::ParamClash {
-                first: 0,
-                second: 1,
-                ..
-            }
-        ));
-        assert_eq!(m.name(1), "kvmux");
+    fn own_keys_win_over_a_childs_under_every_policy() {
+        // A nested kvmux answers num_extra_cached_tokens too: the outer
+        // multiplexer's count is the request's, never an error.
+        for policy in [ClashPolicy::Error, ClashPolicy::Strict, ClashPolicy::First] {
+            let m = mux(1, policy, LoadPolicy::First);
+            let child = done(false, Some(P(vec![(EXTRA_KEY, 9), ("a", 1)])));
+            let f = finish_with(&m, "r", true, vec![child]).unwrap();
+            let Some(FinishedParams::Merged(merged)) = &f.params else {
+                panic!("merged params expected");
+            };
+            let extra = merged.iter().find(|e| e.key == EXTRA_KEY).unwrap();
+            assert_eq!((&extra.value, extra.source), (&V(0), 1));
+            assert_eq!(f.new_clashes[0].rule, KeyRule::Own(1));
+            assert_eq!(m.snapshot().totals[Total::ClashesRaised as usize], 0);
+        }
+        assert_eq!(
+            mux(1, ClashPolicy::Error, LoadPolicy::First).name(1),
+            "kvmux"
+        );
+    }
+
+    #[test]
+    fn a_clash_on_a_key_the_request_asked_for_is_answered_per_child_not_raised() {
+        for policy in [ClashPolicy::Error, ClashPolicy::Strict] {
+            let m = mux(2, policy, LoadPolicy::First);
+            let a = done(false, Some(P(vec![("asked", 1)])));
+            let b = done(false, Some(P(vec![("asked", 2)])));
+            let f = finish_with(&m, "r", false, vec![a, b]).unwrap();
+            let Some(FinishedParams::Merged(merged)) = &f.params else {
+                panic!("merged params expected");
+            };
+            assert_eq!(merged.len(), 1);
+            assert_eq!((&merged[0].value, merged[0].source), (&V(1), 0));
+            assert_eq!(merged[0].others, vec![(1, V(2))]);
+            assert_eq!(f.new_clashes.len(), 1, "logged once per key");
+            let totals = m.snapshot().totals;
+            assert_eq!(totals[Total::ClashesResolved as usize], 1);
+            assert_eq!(totals[Total::ClashesRaised as usize], 0);
+            assert_eq!(m.live_requests(), 0);
+            // A key the request did not ask for still follows the policy.
+            let a = done(false, Some(P(vec![("k", 1)])));
+            let b = done(false, Some(P(vec![("k", 2)])));
+            assert!(finish_with(&m, "s", false, vec![a, b]).is_err());
+        }
     }
 
     #[test]
@@ -2120,7 +2234,7 @@ mod tests {
             if looked_up {
                 m.lookup("r", 0, |_, _| hit(0)).unwrap();
             }
-            let res = m.finish("r", |_| hook::FINISHED, want(false), own, |i| {
+            let res = m.finish("r", |_| hook::FINISHED, want(false), |_| false, own, |i| {
                 if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }
                 else { done(savers[i], None) }
             });
