@@ -9,18 +9,20 @@
 //! construction) and records the request's state, with no Python frame of
 //! kvmux's in between.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
 
+use std::borrow::Cow;
+use std::fmt::Write;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
 use crate::breaker::{BreakerConfig, State, Transition};
-use crate::error::{ChildFault, MuxError};
-use crate::merge::{ClashPolicy, ValueEq};
+use crate::error::{ChildFault, IndexError, MuxError};
+use crate::merge::{ClashPolicy, KeyRule, ValueEq};
 use crate::mux::{
     hook, ChildFinish, Contained, FinishedParams, Mux, Params, Supplied, Want, BY_CHILD_KEY,
     EXTRA_KEY, LOCAL_KEY,
@@ -82,7 +84,7 @@ fn describe(py: Python<'_>, e: &PyErr) -> String {
 
 fn fault_detail(py: Python<'_>, hook: &str, fault: &ChildFault<PyErr>) -> String {
     match fault {
-        ChildFault::Raised(e) => describe(py, e),
+        ChildFault::Raised(e) | ChildFault::Interrupt(e) => describe(py, e),
         ChildFault::Malformed(why) => format!("{why}; it must return {}", hook::contract(hook)),
     }
 }
@@ -120,11 +122,22 @@ impl<'py> Params for PyParams<'py> {
                 )));
             };
             kv.push((
-                key.to_str().map_err(ChildFault::Raised)?.to_owned(),
+                str_key(key).map_err(ChildFault::Raised)?.into_owned(),
                 PyVal(v),
             ));
         }
         Ok(kv)
+    }
+}
+
+/// What a child raised, as a fault: an `Exception` is an error kvmux may
+/// contain; any other `BaseException` (`KeyboardInterrupt`, `SystemExit`)
+/// is an interrupt, passed on as it is.
+fn raised(py: Python<'_>, e: PyErr) -> ChildFault<PyErr> {
+    if e.is_instance_of::<PyException>(py) {
+        ChildFault::Raised(e)
+    } else {
+        ChildFault::Interrupt(e)
     }
 }
 
@@ -228,7 +241,7 @@ impl<T: Clone> Fanout<T> {
                 calls.push(None);
                 consts.push(convert(&obj).map_err(|f| match f {
                     ChildFault::Malformed(why) => why,
-                    ChildFault::Raised(e) => e.to_string(),
+                    ChildFault::Raised(e) | ChildFault::Interrupt(e) => e.to_string(),
                 }));
             }
         }
@@ -244,7 +257,7 @@ impl<T: Clone> Fanout<T> {
         convert: impl FnOnce(Bound<'py, PyAny>) -> Result<T, ChildFault<PyErr>>,
     ) -> Result<T, ChildFault<PyErr>> {
         match &self.calls[i] {
-            Some(f) => convert(call(f.bind(py)).map_err(ChildFault::Raised)?),
+            Some(f) => convert(call(f.bind(py)).map_err(|e| raised(py, e))?),
             None => self.consts[i].clone().map_err(ChildFault::Malformed),
         }
     }
@@ -347,7 +360,7 @@ impl PyMux {
     }
 
     fn child_error(&self, py: Python<'_>, hook: &'static str, (i, e): (usize, PyErr)) -> PyErr {
-        self.error(py, MuxError::child(i, hook, ChildFault::Raised(e)))
+        self.error(py, MuxError::child(i, hook, raised(py, e)))
     }
 
     /// The workers' failed loads (`invalid_block_ids`, `failed_recving`):
@@ -396,6 +409,10 @@ impl PyMux {
 
     fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
         match e {
+            MuxError::Child {
+                fault: ChildFault::Interrupt(e),
+                ..
+            } => e,
             MuxError::Child { child, hook, fault } => {
                 let detail = fault_detail(py, hook, &fault);
                 let err = raise(
@@ -549,17 +566,24 @@ impl PyMux {
         route: impl Fn(usize) -> (&'static str, Bound<'py, PyAny>),
     ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
         let rid = request_id(request)?;
-        let req_id = rid.to_str()?;
-        let want = match request
+        let req_id = &*str_key(&rid)?;
+        let asked_params = request
             .getattr(intern!(py, "kv_transfer_params"))
             .ok()
             .and_then(|p| p.cast_into::<PyDict>().ok())
-        {
-            Some(d) if !d.is_empty() => Want {
+            .filter(|d| !d.is_empty());
+        let want = match &asked_params {
+            Some(d) => Want {
                 extra: d.contains(EXTRA_KEY)?,
                 by_child: d.contains(BY_CHILD_KEY)?,
             },
-            _ => Want::default(),
+            None => Want::default(),
+        };
+        // Read only when two sources return one key.
+        let asked = |key: &str| {
+            asked_params
+                .as_ref()
+                .is_some_and(|d| d.contains(key).unwrap_or(false))
         };
         let own = |s: &Supplied| {
             let d = PyDict::new(py);
@@ -587,7 +611,7 @@ impl PyMux {
                 Some(f) => to_finish(
                     f.bind(py)
                         .call1((request, blocks))
-                        .map_err(ChildFault::Raised)?,
+                        .map_err(|e| raised(py, e))?,
                 ),
                 None => fan.consts[i]
                     .clone()
@@ -600,19 +624,29 @@ impl PyMux {
         };
         let done = self
             .core
-            .finish(req_id, |i| route(i).0, want, own, call)
+            .finish(req_id, |i| route(i).0, want, asked, own, call)
             .map_err(|e| self.error(py, e))?;
         self.log_contained(py, req_id, &done.contained);
         for c in &done.new_clashes {
+            let how = match c.rule {
+                KeyRule::Policy => format!(
+                    "clash_policy {:?} keeps one",
+                    self.core.clash_policy().as_str()
+                ),
+                KeyRule::PerSource => "the request asked for it, so it is answered with \
+                                       each child's value, keyed by child name"
+                    .to_owned(),
+                KeyRule::Own(_) => "it is kvmux's own key, so kvmux's value is kept".to_owned(),
+            };
             let _ = self.logger.bind(py).call_method1(
                 intern!(py, "warning"),
                 (
-                    "kvmux: children %r and %r both return kv_transfer_params key %r; \
-                     clash_policy %r keeps one (warned once per key)",
+                    "kvmux: %r and %r both return kv_transfer_params key %r; %s (warned once \
+                     per key)",
                     self.core.name(c.first),
                     self.core.name(c.second),
                     &c.key,
-                    self.core.clash_policy().as_str(),
+                    how,
                 ),
             );
         }
@@ -621,8 +655,18 @@ impl PyMux {
             Some(FinishedParams::Source(p)) => Some(p.0),
             Some(FinishedParams::Merged(entries)) => {
                 let d = PyDict::new(py);
-                for (k, v) in entries {
-                    d.set_item(k, v.0)?;
+                for e in entries {
+                    let key = key_str(py, &e.key)?;
+                    if e.others.is_empty() {
+                        d.set_item(key, e.value.0)?;
+                        continue;
+                    }
+                    let per = PyDict::new(py);
+                    per.set_item(self.core.name(e.source), e.value.0)?;
+                    for (i, v) in e.others {
+                        per.set_item(self.core.name(i), v.0)?;
+                    }
+                    d.set_item(key, per)?;
                 }
                 Some(d)
             }
@@ -644,7 +688,7 @@ impl PyMux {
             }
             for id in ids.try_iter()? {
                 let id = id?.cast_into::<PyString>()?;
-                if done(i, id.to_str()?) {
+                if done(i, &str_key(&id)?) {
                     out.add(id)?;
                 }
             }
@@ -679,7 +723,45 @@ impl PyMux {
     }
 }
 
-/// `request.request_id`, as a Python str (borrow it with `to_str`).
+/// Starts the key of a str that is not valid UTF-8 (see [`str_key`]); a
+/// noncharacter, so no id vLLM makes starts with it.
+const ESCAPE: char = '\u{FDD0}';
+
+/// A Python str as a Rust key: the str itself when it is valid UTF-8 (every
+/// id vLLM makes), else (a lone surrogate, from a client's request id) the
+/// escape followed by the hex of its `surrogatepass` bytes. Keys are opaque:
+/// any str is one, and distinct strs are distinct keys (a valid str that
+/// starts with the escape is escaped too).
+fn str_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
+    match s.to_str() {
+        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
+        _ => {
+            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
+            let bytes = raw.cast::<PyBytes>()?.as_bytes();
+            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
+            out.push(ESCAPE);
+            for b in bytes {
+                let _ = write!(out, "{b:02x}");
+            }
+            Ok(Cow::Owned(out))
+        }
+    }
+}
+
+/// The Python str whose key is `key` (the inverse of [`str_key`]).
+fn key_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
+    let Some(hex) = key.strip_prefix(ESCAPE) else {
+        return Ok(PyString::new(py, key));
+    };
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let s =
+        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
+    Ok(s.cast_into::<PyString>()?)
+}
+
+/// `request.request_id`, as a Python str (its key: [`str_key`]).
 fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
     let id = request.getattr(intern!(request.py(), "request_id"))?;
     Ok(id.cast_into::<PyString>()?)
@@ -829,7 +911,7 @@ impl PyMux {
         num_computed_tokens: u64,
     ) -> PyResult<(Option<u64>, bool)> {
         let rid = request_id(request)?;
-        let req_id = rid.to_str()?;
+        let req_id = &*str_key(&rid)?;
         let got = self
             .core
             .lookup(req_id, num_computed_tokens, |i, computed| {
@@ -872,7 +954,7 @@ impl PyMux {
         };
         self.core
             .allocated(
-                rid.to_str()?,
+                &str_key(&rid)?,
                 num_external_tokens,
                 load_blocks,
                 |i, n| match &self.alloc[i] {
@@ -880,7 +962,7 @@ impl PyMux {
                         .bind(py)
                         .call1((request, blocks, n))
                         .map(drop)
-                        .map_err(ChildFault::Raised),
+                        .map_err(|e| raised(py, e)),
                     None => Ok(()),
                 },
             )
@@ -916,7 +998,7 @@ impl PyMux {
         let groups = block_ids.len()?;
         if groups != 1 {
             let rid = request_id(request)?;
-            let req_id = rid.to_str()?;
+            let req_id = &*str_key(&rid)?;
             self.core.forget(req_id);
             let children = (0..self.hma.len()).filter(|&i| !self.hma[i]).collect();
             return Err(self.error(
@@ -949,7 +1031,7 @@ impl PyMux {
         partial_tail_offloads: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
         let rid = request_id(request)?;
-        let req_id = rid.to_str()?;
+        let req_id = &*str_key(&rid)?;
         let (keep, contained) = self
             .core
             .partial_tail(req_id, |i| {
@@ -1087,8 +1169,8 @@ impl PyMux {
     }
 
     /// The child chosen to load a request, if any.
-    fn chosen(&self, req_id: &str) -> Option<usize> {
-        self.core.chosen(req_id)
+    fn chosen(&self, req_id: &Bound<'_, PyString>) -> PyResult<Option<usize>> {
+        Ok(self.core.chosen(&str_key(req_id)?))
     }
 
     /// Worker side: the completions the scheduler side announced in its
@@ -1096,28 +1178,40 @@ impl PyMux {
     /// completions needed); `loads`: request id -> bit set of the children
     /// loading it asynchronously).
     #[pyo3(signature = (saves = None, loads = None))]
-    fn expect(
+    fn expect<'py>(
         &self,
-        saves: Option<&Bound<'_, PyDict>>,
-        loads: Option<&Bound<'_, PyDict>>,
+        saves: Option<&Bound<'py, PyDict>>,
+        loads: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<()> {
+        // Over a copy of the items: converting a value may run Python code
+        // that changes the dict (iterating it then would panic).
+        let items = |d: Option<&Bound<'py, PyDict>>| -> Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+            d.map_or_else(Vec::new, |d| {
+                d.items()
+                    .iter()
+                    .filter_map(|kv| kv.extract().ok())
+                    .collect()
+            })
+        };
         let mut s = Vec::new();
-        for (k, v) in saves.into_iter().flat_map(|d| d.iter()) {
+        for (k, v) in items(saves) {
             let (children, need): (u64, u32) = v.extract()?;
             s.push((k.cast_into::<PyString>()?, children, need));
         }
         let mut l = Vec::new();
-        for (k, v) in loads.into_iter().flat_map(|d| d.iter()) {
+        for (k, v) in items(loads) {
             l.push((k.cast_into::<PyString>()?, v.extract::<u64>()?));
         }
         let s = s
             .iter()
-            .map(|(k, c, n)| Ok((k.to_str()?, *c, *n)))
+            .map(|(k, c, n)| Ok((str_key(k)?, *c, *n)))
             .collect::<PyResult<Vec<_>>>()?;
         let l = l
             .iter()
-            .map(|(k, c)| Ok((k.to_str()?, *c)))
+            .map(|(k, c)| Ok((str_key(k)?, *c)))
             .collect::<PyResult<Vec<_>>>()?;
+        let s: Vec<(&str, u64, u32)> = s.iter().map(|(k, c, n)| (&**k, *c, *n)).collect();
+        let l: Vec<(&str, u64)> = l.iter().map(|(k, c)| (&**k, *c)).collect();
         self.core.expect(&s, &l);
         Ok(())
     }
@@ -1169,14 +1263,10 @@ impl PyMux {
         for (i, pair) in per_child.try_iter()?.enumerate() {
             let (ok, bad): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair?.extract()?;
             let (ok, bad) = (ids(ok)?, ids(bad)?);
-            let ok_s = ok
-                .iter()
-                .map(|s| s.to_str())
-                .collect::<PyResult<Vec<_>>>()?;
-            let bad_s = bad
-                .iter()
-                .map(|s| s.to_str())
-                .collect::<PyResult<Vec<_>>>()?;
+            let ok_k = ok.iter().map(str_key).collect::<PyResult<Vec<_>>>()?;
+            let bad_k = bad.iter().map(str_key).collect::<PyResult<Vec<_>>>()?;
+            let ok_s: Vec<&str> = ok_k.iter().map(|k| &**k).collect();
+            let bad_s: Vec<&str> = bad_k.iter().map(|k| &**k).collect();
             let mut err = None;
             self.core.received_results(i, &ok_s, &bad_s, |id, f| {
                 let r = finished
@@ -1256,21 +1346,29 @@ pub struct PyHostIndex {
     inner: Mutex<BlockIndex>,
 }
 
-/// Borrow the bytes of a list of `bytes` keys.
-fn with_keys<R>(keys: &Bound<'_, PyList>, f: impl FnOnce(&[&[u8]]) -> R) -> PyResult<R> {
-    let owned: Vec<Bound<'_, PyBytes>> = keys
-        .iter()
-        .map(|k| {
-            k.cast_into::<PyBytes>().map_err(|e| {
-                PyValueError::new_err(format!(
-                    "block keys must be bytes (vLLM block hashes), got {}",
-                    repr(e.into_inner().as_any())
-                ))
+/// A list of `bytes` keys, checked (and any Python code a bad key's `repr`
+/// runs, run) before the index is locked: no Python code ever runs under
+/// the index's lock, which it could re-enter.
+struct Keys<'py>(Vec<Bound<'py, PyBytes>>);
+
+impl<'py> Keys<'py> {
+    fn new(keys: &Bound<'py, PyList>) -> PyResult<Self> {
+        keys.iter()
+            .map(|k| {
+                k.cast_into::<PyBytes>().map_err(|e| {
+                    PyValueError::new_err(format!(
+                        "block keys must be bytes (vLLM block hashes), got {}",
+                        repr(e.into_inner().as_any())
+                    ))
+                })
             })
-        })
-        .collect::<PyResult<_>>()?;
-    let slices: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
-    Ok(f(&slices))
+            .collect::<PyResult<_>>()
+            .map(Keys)
+    }
+
+    fn slices(&self) -> Vec<&[u8]> {
+        self.0.iter().map(|b| b.as_bytes()).collect()
+    }
 }
 
 impl PyHostIndex {
@@ -1344,8 +1442,10 @@ impl PyHostIndex {
     #[new]
     #[pyo3(signature = (capacity, groups = 1))]
     fn new(capacity: usize, groups: usize) -> PyResult<Self> {
-        let index = BlockIndex::with_groups(capacity, groups)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let index = BlockIndex::with_groups(capacity, groups).map_err(|e| match e {
+            IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
+            _ => PyValueError::new_err(e.to_string()),
+        })?;
         Ok(Self {
             inner: Mutex::new(index),
         })
@@ -1364,8 +1464,9 @@ impl PyHostIndex {
     /// Number of leading blocks of `keys` whose `group` blocks are ready.
     #[pyo3(signature = (keys, group = 0))]
     fn longest_prefix(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<usize> {
+        let keys = Keys::new(keys)?;
         let ix = self.lock_group(group)?;
-        with_keys(keys, |k| ix.longest_prefix_in(group, k))
+        Ok(ix.longest_prefix_in(group, &keys.slices()))
     }
 
     /// The longest prefix of `keys[:end]` every group can resume from, the
@@ -1379,6 +1480,7 @@ impl PyHostIndex {
         end: usize,
         windows: Vec<Option<usize>>,
     ) -> PyResult<PyServablePrefix> {
+        let keys = Keys::new(keys)?;
         let ix = self.lock();
         if windows.len() != ix.num_groups() {
             return Err(PyValueError::new_err(format!(
@@ -1391,22 +1493,26 @@ impl PyHostIndex {
             .iter()
             .map(|w| w.map_or(Reach::Prefix, Reach::Window))
             .collect();
-        with_keys(keys, |k| ix.servable_prefix(k, start, end, &reach).into())
+        Ok(ix
+            .servable_prefix(&keys.slices(), start, end, &reach)
+            .into())
     }
 
     /// Pin the slots of `group`'s blocks of `keys` for a load (all must be
     /// ready, else None).
     #[pyo3(signature = (keys, group = 0))]
     fn pin_ready(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<Option<Vec<u32>>> {
+        let keys = Keys::new(keys)?;
         let mut ix = self.lock_group(group)?;
-        with_keys(keys, |k| ix.pin_ready_in(group, k))
+        Ok(ix.pin_ready_in(group, &keys.slices()))
     }
 
     /// Reserve slots for `group`'s uncached blocks of `keys`.
     #[pyo3(signature = (keys, group = 0))]
     fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<PyReservation> {
+        let keys = Keys::new(keys)?;
         let mut ix = self.lock_group(group)?;
-        let (positions, slots) = with_keys(keys, |k| ix.reserve_in(group, k).into_iter().unzip())?;
+        let (positions, slots) = ix.reserve_in(group, &keys.slices()).into_iter().unzip();
         Ok(PyReservation { positions, slots })
     }
 

@@ -30,6 +30,9 @@ use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 /// non-cryptographic hasher is enough, and 2-3x cheaper than SipHash.
 type KeyMap = HashMap<Box<[u8]>, u32, Xxh3DefaultBuilder>;
 
+/// The most KV cache groups an index takes (vLLM's models have a handful).
+pub const MAX_GROUPS: usize = 1024;
+
 const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,30 +104,56 @@ impl BlockIndex {
     }
 
     /// An index whose `capacity` slots (1 to `u32::MAX - 1`: slots are u32)
-    /// are shared by `groups` key spaces.
+    /// are shared by `groups` key spaces (1 to [`MAX_GROUPS`]). Memory the
+    /// machine cannot give is an [`IndexError::Memory`], never an abort.
     pub fn with_groups(capacity: usize, groups: usize) -> Result<Self, IndexError> {
         let max = NIL as usize - 1;
         if !(1..=max).contains(&capacity) {
             return Err(IndexError::Capacity { got: capacity, max });
         }
-        if !(1..=max).contains(&groups) {
-            return Err(IndexError::Groups { got: groups, max });
+        if !(1..=MAX_GROUPS).contains(&groups) {
+            return Err(IndexError::Groups {
+                got: groups,
+                max: MAX_GROUPS,
+            });
+        }
+        // About what the index holds: a slot and a free-set entry per
+        // block, a map entry per block and group (a key when it is ready).
+        let bytes = capacity
+            .saturating_mul(std::mem::size_of::<Slot>() + 8)
+            .saturating_add(capacity.saturating_mul(groups).saturating_mul(48));
+        let no_memory = |_| IndexError::Memory {
+            capacity,
+            groups,
+            bytes,
+        };
+        // Asked of the allocator once, as a whole, before anything is built
+        // (untouched, so it costs no memory): the free set's nodes cannot be
+        // allocated fallibly, and an allocation failure there would abort.
+        Vec::<u8>::new()
+            .try_reserve_exact(bytes)
+            .map_err(no_memory)?;
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(capacity).map_err(no_memory)?;
+        slots.extend((0..capacity).map(|_| Slot {
+            key: None,
+            group: 0,
+            state: SlotState::Free,
+            pins: 0,
+            prev: NIL,
+            next: NIL,
+        }));
+        let free = (0..capacity as u32).collect();
+        let mut maps = Vec::with_capacity(groups);
+        for _ in 0..groups {
+            let mut map = KeyMap::with_hasher(Xxh3DefaultBuilder::new());
+            map.try_reserve(capacity).map_err(no_memory)?;
+            maps.push(map);
         }
         Ok(Self {
-            slots: (0..capacity)
-                .map(|_| Slot {
-                    key: None,
-                    group: 0,
-                    state: SlotState::Free,
-                    pins: 0,
-                    prev: NIL,
-                    next: NIL,
-                })
-                .collect(),
-            maps: (0..groups)
-                .map(|_| KeyMap::with_capacity_and_hasher(capacity, Xxh3DefaultBuilder::new()))
-                .collect(),
-            free: (0..capacity as u32).collect(),
+            slots,
+            maps,
+            free,
             head: NIL,
             tail: NIL,
             counters: IndexCounters::default(),
@@ -772,6 +801,17 @@ mod tests {
         );
         assert!(BlockIndex::with_groups(4, 0).is_err());
         assert!(BlockIndex::with_groups(max + 1, 1).is_err());
+        assert!(BlockIndex::with_groups(4, MAX_GROUPS + 1).is_err());
+    }
+
+    #[test]
+    fn an_index_beyond_the_machines_memory_is_an_error_not_an_abort() {
+        // u32::MAX - 2 slots in MAX_GROUPS groups: petabytes, which no
+        // allocator gives (the probe asks for it whole, touching nothing).
+        let max = NIL as usize - 1;
+        let err = BlockIndex::with_groups(max, MAX_GROUPS).err();
+        assert!(matches!(err, Some(IndexError::Memory { capacity, .. }) if capacity == max));
+        assert!(err.unwrap().to_string().contains("more than this machine"));
     }
 
     proptest! {

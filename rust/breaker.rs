@@ -256,7 +256,10 @@ impl Breakers {
                         true
                     }
                     State::HalfOpen if inner.probe.as_deref() == Some(req_id) => {
-                        inner.cooldown = (inner.cooldown * 2).min(b.cfg.max_cooldown);
+                        inner.cooldown = inner
+                            .cooldown
+                            .saturating_mul(2)
+                            .min(b.cfg.max_cooldown);
                         self.open(i, b, &mut inner, State::HalfOpen, 1);
                         true
                     }
@@ -284,7 +287,12 @@ impl Breakers {
 
     fn open(&self, i: usize, b: &Breaker, inner: &mut Inner, from: State, failures: u32) {
         inner.state = State::Open;
-        inner.until = Instant::now() + inner.cooldown;
+        // A cooldown past what an Instant can hold is "open until the far
+        // future", never a panic.
+        let now = Instant::now();
+        inner.until = now
+            .checked_add(inner.cooldown)
+            .unwrap_or_else(|| far_future(now));
         inner.probe = None;
         self.failing.fetch_and(!(1u64 << i), Relaxed);
         b.failures.store(0, Relaxed);
@@ -347,6 +355,18 @@ impl Breakers {
     }
 }
 
+/// The latest instant after `now` that adding to it reaches (a century
+/// away, halved until it fits).
+fn far_future(now: Instant) -> Instant {
+    let mut d = Duration::from_secs(100 * 365 * 24 * 3600);
+    loop {
+        if let Some(t) = now.checked_add(d) {
+            return t;
+        }
+        d /= 2;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -365,6 +385,18 @@ mod tests {
 
     fn states(b: &Breakers) -> Vec<State> {
         b.take_transitions().into_iter().map(|t| t.to).collect()
+    }
+
+    #[test]
+    fn a_cooldown_past_any_instant_opens_for_the_far_future_without_panicking() {
+        let b = Breakers::new(vec![Some(BreakerConfig {
+            failures: 1,
+            cooldown: Duration::MAX,
+            max_cooldown: Duration::MAX,
+        })]);
+        assert!(b.record(0, "r", Outcome::Failed));
+        assert_eq!(b.state(0), Some(State::Open));
+        assert!(!b.admit(0, "s"));
     }
 
     #[test]

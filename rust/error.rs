@@ -10,6 +10,11 @@ pub enum ChildFault<E> {
     /// The child raised.
     #[error("the child raised")]
     Raised(E),
+    /// The child raised something that is not an error (Python's
+    /// `KeyboardInterrupt`, `SystemExit`: a `BaseException` that is not an
+    /// `Exception`): never contained, handed back as it is.
+    #[error("the child was interrupted")]
+    Interrupt(E),
     /// The child answered something the hook's contract does not allow
     /// (the text says what, and what it must answer instead).
     #[error("{0}")]
@@ -69,4 +74,13 @@ pub enum IndexError {
     Capacity { got: usize, max: usize },
     #[error("host index groups must be 1 to {max}, got {got}")]
     Groups { got: usize, max: usize },
+    #[error(
+        "host index of {capacity} blocks in {groups} group(s) needs about {bytes} bytes, \
+         more than this machine can allocate"
+    )]
+    Memory {
+        capacity: usize,
+        groups: usize,
+        bytes: usize,
+    },
 }

@@ -83,7 +83,13 @@ pub fn choose(policy: LoadPolicy, matches: &[ChildMatch]) -> Lookup {
     if policy == LoadPolicy::Compose {
         let loaders = || matches.iter().filter(|m| m.tokens.unwrap_or(0) > 0);
         return Lookup {
-            tokens: Some(loaders().map(|m| m.tokens.unwrap_or(0)).sum()),
+            // Saturating: children's counts come from outside (a huge one
+            // must not wrap around to a small, plausible sum).
+            tokens: Some(
+                loaders()
+                    .map(|m| m.tokens.unwrap_or(0))
+                    .fold(0u64, u64::saturating_add),
+            ),
             load_async: loaders().any(|m| m.load_async),
             chosen: matches.iter().position(|m| m.tokens.unwrap_or(0) > 0),
         };
