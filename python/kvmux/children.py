@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmux._fanout import constant_answer, layer_hook
 from kvmux.config import MuxConfig
-from kvmux.errors import KvmuxChildError
+from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.events import KvmuxKVEvents, deduplicated, labelled, own_worker_events
 
 if TYPE_CHECKING:
@@ -65,6 +65,10 @@ class Children:
             for spec in cfg.children:
                 try:
                     child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)
+                except KvmuxConfigError as e:
+                    # A child's own settings are wrong: still a config error
+                    # (naming the key and the fix), now naming the child.
+                    raise KvmuxConfigError(f"connector {spec.name!r}: {e}") from e
                 except Exception as e:
                     raise KvmuxChildError(spec.name, "__init__", f"{type(e).__name__}: {e}") from e
                 self.connectors.append(child)

@@ -39,6 +39,13 @@ BREAKER_KEYS = (BREAKER_FAILURES_KEY, BREAKER_COOLDOWN_KEY, BREAKER_MAX_COOLDOWN
 DEFAULT_BREAKER_FAILURES = 3
 DEFAULT_BREAKER_COOLDOWN_MS = 1000.0
 DEFAULT_BREAKER_MAX_COOLDOWN_MS = 30000.0
+#: Bounds of the breaker settings (the core counts failures in a u32; a
+#: cooldown under a millisecond is no cooldown).
+MAX_BREAKER_FAILURES = (1 << 32) - 1
+MIN_COOLDOWN_MS = 1.0
+#: Display names kvmux's own reports already use: vLLM's prefix cache in
+#: ``cached_tokens_by_child``, and kvmux itself in clash errors.
+RESERVED_NAMES = ("local_prefix_cache", "kvmux")
 ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS)
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
@@ -186,12 +193,15 @@ def _breaker(
     # Inherited when absent: a breaker turned off stays off.
     failures = raw.get(BREAKER_FAILURES_KEY, default and default.failures)
     if failures is not None and (
-        isinstance(failures, bool) or not isinstance(failures, int) or failures < 1
+        isinstance(failures, bool)
+        or not isinstance(failures, int)
+        or not 1 <= failures <= MAX_BREAKER_FAILURES
     ):
         problems.append(
             f"{where}{BREAKER_FAILURES_KEY}={failures!r} is not valid; set it to how many "
             "consecutive failed lookups (deadline missed, or raised) open the child's "
-            f"breaker (an int >= 1, default {DEFAULT_BREAKER_FAILURES}), or null for no breaker"
+            f"breaker (an int >= 1 and at most {MAX_BREAKER_FAILURES}, default "
+            f"{DEFAULT_BREAKER_FAILURES}), or null for no breaker"
         )
         return None
     ms = {}
@@ -200,10 +210,14 @@ def _breaker(
         (BREAKER_MAX_COOLDOWN_KEY, base.max_cooldown_ms),
     ):
         value = raw.get(key, have)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not MIN_COOLDOWN_MS <= value < 1e9
+        ):
             problems.append(
                 f"{where}{key}={value!r} is not valid; set it to a number of milliseconds > 0 "
-                f"(defaults: {BREAKER_COOLDOWN_KEY} {DEFAULT_BREAKER_COOLDOWN_MS:g}, "
+                f"(at least {MIN_COOLDOWN_MS:g}, below 1e9; defaults: {BREAKER_COOLDOWN_KEY} {DEFAULT_BREAKER_COOLDOWN_MS:g}, "
                 f"{BREAKER_MAX_COOLDOWN_KEY} {DEFAULT_BREAKER_MAX_COOLDOWN_MS:g})"
             )
             return None
@@ -400,6 +414,12 @@ def _names(children: list[_RawChild], problems: list[str]) -> list[str]:
     given: dict[str, int] = {}
     for c in children:
         if c.name is not None:
+            if c.name in RESERVED_NAMES:
+                problems.append(
+                    f"connectors[{c.index}] sets {NAME_KEY} {c.name!r}, which kvmux's own "
+                    f"reports use ({', '.join(map(repr, RESERVED_NAMES))}); give it another "
+                    f"{NAME_KEY}"
+                )
             if c.name in given:
                 problems.append(
                     f"connectors[{given[c.name]}] and connectors[{c.index}] share the "
@@ -409,14 +429,26 @@ def _names(children: list[_RawChild], problems: list[str]) -> list[str]:
     counts: dict[str, int] = {}
     for c in children:
         counts[c.cls_name] = counts.get(c.cls_name, 0) + 1
-    return [
+    names = [
         c.name
         if c.name is not None
         else c.cls_name
-        if counts[c.cls_name] == 1 and c.cls_name not in given
+        if counts[c.cls_name] == 1 and c.cls_name not in given and c.cls_name not in RESERVED_NAMES
         else f"{c.cls_name}#{c.index}"
         for c in children
     ]
+    # A given name may equal one kvmux makes for another child (AdvConnector#1).
+    owner: dict[str, _RawChild] = {}
+    for c, name in zip(children, names, strict=True):
+        other = owner.setdefault(name, c)
+        if other is not c and (other.name is None or c.name is None):
+            named, made = (c, other) if c.name is not None else (other, c)
+            problems.append(
+                f"connectors[{named.index}] is named {name!r}, the name kvmux gives "
+                f"connectors[{made.index}] ({made.cls_name}); give connectors[{named.index}] "
+                f"another {NAME_KEY}"
+            )
+    return names
 
 
 def num_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> int | None:

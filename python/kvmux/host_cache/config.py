@@ -3,6 +3,8 @@ whether it promotes blocks other children loaded."""
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +14,8 @@ from kvmux.errors import KvmuxConfigError
 __all__ = ["HostCacheConfig", "parse_host_cache_config"]
 
 GIB = 1 << 30
+#: The most slots the host index holds (its slots are u32, one kept as "none").
+MAX_SLOTS = (1 << 32) - 2
 ALLOWED = ("capacity_gib", "num_blocks", "promote")
 EXAMPLE = '{"capacity_gib": 8} or {"num_blocks": 4096}'
 
@@ -27,17 +31,42 @@ class HostCacheConfig:
 
     def num_slots(self, block_bytes: int) -> int:
         """Host slots for blocks of ``block_bytes`` bytes (one block of every
-        layer of the largest KV cache group: a slot holds any group's block)."""
+        layer of the largest KV cache group: a slot holds any group's block).
+        A tier this machine's memory cannot hold is refused here, on either
+        role, before anything is allocated."""
         if self.num_blocks is not None:
-            return self.num_blocks
-        slots = int(self.capacity_gib * GIB) // block_bytes  # type: ignore[operator]
-        if slots < 1:
+            slots, key = self.num_blocks, f"num_blocks={self.num_blocks}"
+        else:
+            slots = int(self.capacity_gib * GIB) // block_bytes  # type: ignore[operator]
+            key = f"capacity_gib={self.capacity_gib:g}"
+            if slots < 1:
+                raise KvmuxConfigError(
+                    f"KvmuxHostCache {key} holds no KV block (one block of a KV cache "
+                    f"group's layers is {block_bytes} bytes); raise capacity_gib"
+                )
+        memory = machine_memory()
+        if slots * block_bytes > memory:
             raise KvmuxConfigError(
-                f"KvmuxHostCache capacity_gib={self.capacity_gib} holds no KV block "
-                f"(one block of a KV cache group's layers is {block_bytes} bytes); raise "
-                "capacity_gib"
+                f"KvmuxHostCache {key} needs {slots * block_bytes / GIB:.3g} GiB of host "
+                f"memory ({slots} blocks of {block_bytes} bytes), more than this machine's "
+                f"{memory / GIB:.3g} GiB; lower it (e.g. capacity_gib of at most half the "
+                "machine's memory)"
+            )
+        if slots > MAX_SLOTS:
+            raise KvmuxConfigError(
+                f"KvmuxHostCache {key} is {slots} blocks, more than the host index's "
+                f"{MAX_SLOTS}; lower it"
             )
         return slots
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes (a very large number where the
+    platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def parse_host_cache_config(extra: Any) -> HostCacheConfig:
@@ -58,15 +87,26 @@ def parse_host_cache_config(extra: Any) -> HostCacheConfig:
     elif gib is not None and blocks is not None:
         problems.append("KvmuxHostCache: set capacity_gib or num_blocks, not both")
     if gib is not None and (
-        isinstance(gib, bool) or not isinstance(gib, int | float) or not gib > 0
+        isinstance(gib, bool)
+        or not isinstance(gib, int | float)
+        or not math.isfinite(gib)
+        or not gib > 0
     ):
         problems.append(
-            f"KvmuxHostCache: capacity_gib must be a positive number of GiB, got {gib!r}"
+            f"KvmuxHostCache: capacity_gib must be a positive, finite number of GiB "
+            f"(e.g. 8), got {gib!r}"
+        )
+    elif gib is not None and gib * GIB > machine_memory():
+        problems.append(
+            f"KvmuxHostCache: capacity_gib={gib!r} is more than this machine's memory "
+            f"({machine_memory() / GIB:.3g} GiB); lower it"
         )
     if blocks is not None and (
-        isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1
+        isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= MAX_SLOTS
     ):
-        problems.append(f"KvmuxHostCache: num_blocks must be a positive integer, got {blocks!r}")
+        problems.append(
+            f"KvmuxHostCache: num_blocks must be an integer from 1 to {MAX_SLOTS}, got {blocks!r}"
+        )
     promote = extra.get("promote", True)
     if not isinstance(promote, bool):
         problems.append(f"KvmuxHostCache: promote must be true or false, got {promote!r}")

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import HostIndex, chain_token_hashes
+from kvmux.errors import KvmuxConfigError
 from kvmux.host_cache.events import HostEvents
 from kvmux.host_cache.layout import NULL_BLOCK_ID
 from kvmux.host_cache.metadata import (
@@ -127,7 +128,13 @@ class HostCacheScheduler:
             if kinds is not None
             else ["full_attention" if w is None else "sliding_window" for w in self.windows]
         )
-        self.index = HostIndex(num_slots, len(self.windows))
+        try:
+            self.index = HostIndex(num_slots, len(self.windows))
+        except MemoryError as e:
+            raise KvmuxConfigError(
+                f"KvmuxHostCache: the index of {num_slots} blocks cannot be allocated ({e}); "
+                "lower capacity_gib or num_blocks"
+            ) from e
         self.num_workers = num_workers
         self._multi = len(self.windows) > 1
         # Per-group stats for any layout but the plain one (one full group).
@@ -153,7 +160,7 @@ class HostCacheScheduler:
         asked), else the chained token hash computed in Rust."""
         hashes = request.block_hashes
         if not hashes:
-            salt = (getattr(request, "cache_salt", None) or "").encode()
+            salt = (getattr(request, "cache_salt", None) or "").encode("utf-8", "surrogatepass")
             hashes = chain_token_hashes(list(request.all_token_ids), self.block_size, salt)
         if start == 0 and end is None and isinstance(hashes, list):
             return hashes  # read-only use: the core borrows, never mutates
