@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 
-__all__ = ["HAS_SLEEP_MODE", "HAS_TRANSFER_RESULTS", "TransferResults"]
+__all__ = [
+    "HAS_SLEEP_MODE",
+    "HAS_TRANSFER_RESULTS",
+    "CacheHitSource",
+    "TransferResults",
+]
 
 #: vLLM 0.33 reports completions through ``get_transfer_results`` (with failed
 #: receives); older versions only through ``get_finished``.
@@ -19,3 +24,12 @@ TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 #: without a hook is not called for it, see kvmux.children; everything else
 #: kvmux uses is the same in 0.32 and 0.33.)
 HAS_SLEEP_MODE: bool = hasattr(_base.KVConnectorBase_V1, "supports_sleep_mode")
+
+#: vLLM 0.33 splits external hits by the tier that supplied them
+#: (``get_external_cache_hit_sources``, a connector's ``_cache_hit_source``,
+#: ``vllm:prompt_tokens_cached_by_source``); vLLM 0.32 has none of it and
+#: never asks (None there).
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM 0.32
+    CacheHitSource = None  # type: ignore[assignment,misc]
