@@ -6,6 +6,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 
 __all__ = [
+    "HAS_HIT_SOURCES",
     "HAS_SLEEP_MODE",
     "HAS_TRANSFER_RESULTS",
     "CacheHitSource",
@@ -33,3 +34,8 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # vLLM 0.32
     CacheHitSource = None  # type: ignore[assignment,misc]
+
+#: vLLM 0.33's scheduler asks its connector to split external hits by
+#: source; vLLM 0.32's has the metric but never asks (external hits are
+#: not in it).
+HAS_HIT_SOURCES: bool = hasattr(_base.KVConnectorBase_V1, "get_external_cache_hit_sources")
