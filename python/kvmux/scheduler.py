@@ -97,7 +97,7 @@ class MuxScheduler:
         ``_cache_hit_source`` when it answers nothing or a wrong sum), and
         the splits are summed (the rule is the core's, ``rust/mux/sources.rs``).
         None when no child loads the request."""
-        if CacheHitSource is None:  # pragma: no cover - vLLM 0.32 never asks
+        if CacheHitSource is None:  # pragma: no cover - a vLLM without the split never asks
             return None
 
         def split(i: int, span: int) -> list[tuple[str, int]] | None:
@@ -125,7 +125,7 @@ class MuxScheduler:
 def own_source(connector: Any) -> str:
     """The hit source a connector declares (``_cache_hit_source``), by
     value (``"host"``, ``"p2p"``, ...); ``"external_unspecified"`` for one
-    that declares none or something vLLM does not know (and on vLLM 0.32)."""
+    that declares none or something vLLM does not know (and on a vLLM without the split)."""
     if CacheHitSource is None:
         return "external_unspecified"
     try:

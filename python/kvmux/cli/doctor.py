@@ -205,7 +205,7 @@ def hit_source(cls: type) -> str:
     from kvmux.scheduler import own_source
 
     if not _versions.HAS_HIT_SOURCES:
-        return "no source (this vLLM does not split external hits by source; vLLM 0.33 does)"
+        return "no source (this vLLM does not split external hits by source; vLLM 0.32 and 0.33 do)"
     src = f'source="{own_source(cls)}"'
     own = getattr(cls, "get_external_cache_hit_sources", None)
     if own is not None and own is not KVConnectorBase_V1.get_external_cache_hit_sources:

@@ -52,7 +52,7 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     every KV cache group of the model. Its hits are host-memory hits to
     vLLM's ``prompt_tokens_cached_by_source`` (``CacheHitSource.HOST``)."""
 
-    if CacheHitSource is not None:  # vLLM 0.32 has no hits-by-source split
+    if CacheHitSource is not None:  # a vLLM from before the hits-by-source split
         _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
