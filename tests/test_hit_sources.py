@@ -20,6 +20,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from kvmux._core import BY_CHILD_KEY, LOCAL_KEY
 from kvmux.host_cache import KvmuxHostCache
 from tests.harness import SchedulerSim, mux_config, scripted
+from tests.test_lmcache import make_sim  # noqa: F401 (a fixture)
 
 PREFIX = list(range(300, 348))  # 48 tokens: 3 blocks
 HOST, P2P = "KvmuxHostCache", "ScriptedConnector"
@@ -189,3 +190,28 @@ def test_tier_gauges_reach_prometheus_and_kv_connector_stats(sims):
     assert s("kvmux_tier_group_used_slots", connector=HOST, group="0") == 3
     # kvmux's own counters are beside them in the same registry.
     assert s("kvmux_finished_requests_total") >= 1
+
+
+def test_under_compose_lmcaches_span_counts_under_its_own_source(
+    lmcache_server,
+    make_sim,  # noqa: F811
+):
+    """The real LMCache server (``tests/lmcache_server.py``) after the host
+    tier: the host tier's [0, 32) counts as host, LMCache's [32, 48) under
+    the source LMCache declares (none: external_unspecified)."""
+    from tests.test_compose import WANT as ASK
+    from tests.test_compose import wipe_device
+    from tests.test_lmcache import LM, step_until_computed, store_prefix
+    from tests.test_lmcache import run as drain
+
+    d = make_sim([host_child(), lmcache_server.child()], load_policy="compose")
+    m = Metrics(d)
+    store_prefix(d, "A", PREFIX[:32])
+    other = make_sim([lmcache_server.child()])
+    store_prefix(other, "A2", PREFIX)
+    wipe_device(d)
+    b = d.add("B", PREFIX + [9] * 5, kv_transfer_params=ASK)
+    step_until_computed(d, b, len(PREFIX))
+    drain(d)
+    assert d.finished["B"][BY_CHILD_KEY] == {HOST: 32, LM: 16, LOCAL_KEY: 0}
+    assert m.by_source == {"host": 32, "external_unspecified": 16}
