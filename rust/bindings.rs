@@ -1173,6 +1173,24 @@ impl PyMux {
         Ok(self.core.chosen(&str_key(req_id)?))
     }
 
+    /// vLLM's hits-by-source split of a request's `num_external_tokens`
+    /// (`Mux::hit_sources`): `split(i, span)` is child i's own split of its
+    /// span as `(source, tokens)` pairs, or None; `own[i]` its own source.
+    fn hit_sources(
+        &self,
+        req_id: &str,
+        num_external_tokens: u64,
+        split: &Bound<'_, PyAny>,
+        own: Vec<String>,
+    ) -> PyResult<Vec<(String, u64)>> {
+        self.core.hit_sources(
+            req_id,
+            num_external_tokens,
+            |i, span| split.call1((i, span))?.extract(),
+            |i| own.get(i).cloned().unwrap_or_default(),
+        )
+    }
+
     /// Worker side: the completions the scheduler side announced in its
     /// metadata (`saves`: request id -> (bit set of the saving children,
     /// completions needed); `loads`: request id -> bit set of the children
@@ -1553,6 +1571,13 @@ impl PyHostIndex {
         d.set_item("evicted", c.evicted)?;
         d.set_item("aborted", c.aborted)?;
         Ok(d)
+    }
+
+    /// `(capacity, used, pinned, [used slots of each group])` now: O(groups),
+    /// for gauges read every scheduler step.
+    fn usage(&self) -> (usize, usize, usize, Vec<usize>) {
+        let u = self.lock().usage();
+        (u.capacity, u.used, u.pinned, u.group_used)
     }
 
     /// Per group: its `writing` and `ready` slots and its lifetime

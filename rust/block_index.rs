@@ -95,6 +95,21 @@ pub struct BlockIndex {
     tail: u32,
     counters: IndexCounters,
     group_counters: Vec<IndexCounters>,
+    /// Slots with a pin (kept as pins come and go: [`BlockIndex::usage`]
+    /// is O(groups), cheap enough for every scheduler step).
+    pinned: usize,
+}
+
+/// How full an index is now (a gauge's worth, O(groups) to read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub capacity: usize,
+    /// Slots holding a block (ready or being written).
+    pub used: usize,
+    /// Slots an in-flight load or save holds (never evicted).
+    pub pinned: usize,
+    /// Per group: the slots holding its blocks.
+    pub group_used: Vec<usize>,
 }
 
 impl BlockIndex {
@@ -158,6 +173,7 @@ impl BlockIndex {
             tail: NIL,
             counters: IndexCounters::default(),
             group_counters: vec![IndexCounters::default(); groups],
+            pinned: 0,
         })
     }
 
@@ -301,6 +317,7 @@ impl BlockIndex {
             slot.group = group as u32;
             slot.state = SlotState::Writing;
             slot.pins = 1;
+            self.pinned += 1;
             self.maps[group].insert(key, s);
             out.push((pos, s));
         }
@@ -373,6 +390,16 @@ impl BlockIndex {
     /// Lifetime counters of one group's blocks.
     pub fn group_counters(&self, group: usize) -> IndexCounters {
         self.group_counters[group]
+    }
+
+    /// Capacity, used and pinned slots, and each group's used slots.
+    pub fn usage(&self) -> Usage {
+        Usage {
+            capacity: self.slots.len(),
+            used: self.slots.len() - self.free.len(),
+            pinned: self.pinned,
+            group_used: self.maps.iter().map(|m| m.len()).collect(),
+        }
     }
 
     /// (writing, ready) slots holding `group`'s blocks.
@@ -458,6 +485,10 @@ impl BlockIndex {
         if mapped + self.free.len() != self.slots.len() {
             return Err("map + free != capacity".into());
         }
+        let pinned = self.slots.iter().filter(|s| s.pins > 0).count();
+        if pinned != self.pinned {
+            return Err(format!("{pinned} pinned slots, counted {}", self.pinned));
+        }
         Ok(())
     }
 
@@ -483,6 +514,9 @@ impl BlockIndex {
             self.maps[slot.group as usize].remove(&key);
         }
         slot.state = SlotState::Free;
+        if slot.pins > 0 {
+            self.pinned -= 1;
+        }
         slot.pins = 0;
         self.free.insert(s);
     }
@@ -490,6 +524,7 @@ impl BlockIndex {
     fn pin(&mut self, s: u32) {
         if self.slots[s as usize].pins == 0 {
             self.unlink(s);
+            self.pinned += 1;
         }
         self.slots[s as usize].pins += 1;
     }
@@ -500,8 +535,11 @@ impl BlockIndex {
             return;
         }
         slot.pins -= 1;
-        if slot.pins == 0 && slot.state == SlotState::Ready {
-            self.push_tail(s);
+        if slot.pins == 0 {
+            self.pinned -= 1;
+            if slot.state == SlotState::Ready {
+                self.push_tail(s);
+            }
         }
     }
 
@@ -638,6 +676,39 @@ mod tests {
         assert!(ix.reserve(&keys(20..22)).is_empty());
         ix.unpin(&pinned);
         assert_eq!(ix.reserve(&keys(20..22)).len(), 1);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn usage_counts_used_pinned_and_each_groups_slots() {
+        let mut ix = BlockIndex::with_groups(4, 2).unwrap();
+        let usage = |ix: &BlockIndex| {
+            let u = ix.usage();
+            (u.capacity, u.used, u.pinned, u.group_used)
+        };
+        assert_eq!(usage(&ix), (4, 0, 0, vec![0, 0]));
+        let w: Vec<u32> = ix
+            .reserve_in(0, &keys(0..2))
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        ix.reserve_in(1, &keys(0..1));
+        assert_eq!(
+            usage(&ix),
+            (4, 3, 3, vec![2, 1]),
+            "saves in flight are pinned"
+        );
+        ix.commit(&w);
+        assert_eq!(usage(&ix), (4, 3, 1, vec![2, 1]));
+        // Two loads of one block pin one slot.
+        let p = ix.pin_ready_in(0, &keys(0..1)).unwrap();
+        ix.pin_ready_in(0, &keys(0..1)).unwrap();
+        assert_eq!(ix.usage().pinned, 2);
+        ix.unpin(&p);
+        ix.unpin(&p);
+        assert_eq!(ix.usage().pinned, 1);
+        ix.clear_unpinned();
+        assert_eq!(usage(&ix), (4, 1, 1, vec![0, 1]));
         ix.check().unwrap();
     }
 

@@ -26,6 +26,9 @@ use crate::requests::{
 };
 use crate::stats::{Child, Counters, Snapshot, Total};
 
+mod sources;
+pub use sources::{combine as combine_sources, Span};
+
 /// The key the multiplexer adds to a finished request's params when the
 /// request asks for it: the tokens its chosen child supplied.
 pub const EXTRA_KEY: &str = "num_extra_cached_tokens";

@@ -30,6 +30,10 @@ sets. It records every call so tests can check what kvmux routed to it.
 - ``fail_recving``: with vLLM 0.33's ``get_transfer_results``, its workers
   report each async load they report finished receiving as failed too (in
   ``failed_recving`` as well, as vLLM's contract says a failed receive is)
+- ``hit_source``: its ``_cache_hit_source`` (vLLM 0.33's
+  ``CacheHitSource`` value, e.g. ``"p2p"`` as NIXL declares)
+- ``hit_split``: what ``get_external_cache_hit_sources`` returns, whatever
+  it is asked (a dict of source values to tokens; a wrong sum on purpose)
 
 Tests may change ``self.script`` (the same dict) at any time.
 """
@@ -64,6 +68,10 @@ class ScriptedConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.script: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
+        if "hit_source" in self.script:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+            self._cache_hit_source = CacheHitSource(self.script["hit_source"])
         self.calls: list[tuple[str, Any]] = []
         self._lookups: defaultdict[str, int] = defaultdict(int)
         self._asked_from: dict[str, int] = {}  # num_computed_tokens of the last lookup
@@ -100,6 +108,14 @@ class ScriptedConnector(KVConnectorBase_V1):
         hit = min(self.script.get("matched", 0), request.num_tokens - 1)
         matched = max(0, hit - num_computed_tokens)
         return matched, bool(self.script.get("load_async")) and matched > 0
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
+        self.calls.append(("hit_sources", (request.request_id, num_external_tokens)))
+        if "hit_split" in self.script:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+            return {CacheHitSource(k): n for k, n in self.script["hit_split"].items()}
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         self._maybe_fail("update_state_after_alloc")

@@ -231,3 +231,30 @@ def test_a_model_folder_without_config_json_exits_2(tmp_path):
 def test_layer_kinds_are_read_from_config_json(tmp_path, cfg, layers):
     cfg = {"model_type": "x", **cfg}
     assert read_model_kv(model_folder(tmp_path, cfg)).layers == layers
+
+
+def test_doctor_prints_the_source_each_childs_hits_are_counted_under():
+    """How vLLM's ``prompt_tokens_cached_by_source`` will label each child's
+    hits: the host tier as host, NIXL as p2p, LMCache (which declares
+    nothing) as external_unspecified, a connector that splits its own hits
+    (vLLM's OffloadingConnector) by its split."""
+    cfg = {
+        **GOOD,
+        "kv_connector_extra_config": {
+            "connectors": [
+                HOST,
+                {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"},
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+            ]
+        },
+    }
+    proc = doctor(json.dumps(cfg))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = {ln.split(":")[0].strip(): ln for ln in proc.stdout.splitlines() if "child " in ln}
+    assert lines["child KvmuxHostCache"].endswith('its hits count as source="host"')
+    assert lines["child LMCacheMPConnector"].endswith('source="external_unspecified"')
+    assert lines["child NixlConnector"].endswith('its hits count as source="p2p"')
+    assert "its own split by source" in lines["child OffloadingConnector"]
+    rep = diagnose(HOST)
+    assert rep.children[0]["hit_source"] == 'source="host"'

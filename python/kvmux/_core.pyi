@@ -1,6 +1,6 @@
 """Types of kvmux's Rust core (``kvmux._core``)."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from typing_extensions import Self, final
@@ -87,6 +87,16 @@ class Mux:
     ) -> bool: ...
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
+    def hit_sources(
+        self,
+        req_id: str,
+        num_external_tokens: int,
+        split: Callable[[int, int], list[tuple[str, int]] | None],
+        own: list[str],
+    ) -> list[tuple[str, int]]:
+        """vLLM's hits-by-source split of a request's external tokens: each
+        child that supplied a span of them splits it (``split(i, span)``; a
+        child's own source ``own[i]`` for None or a wrong sum), summed."""
     def on_new_request(self, request: Any) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's hook: ``glue["metadata"](children's metadata, saves,
@@ -192,6 +202,8 @@ class HostIndex:
     def check(self) -> None:
         """Raise RuntimeError naming the first broken invariant."""
     def stats(self) -> dict[str, int]: ...
+    def usage(self) -> tuple[int, int, int, list[int]]:
+        """``(capacity, used, pinned, [used slots of each group])`` now (O(groups))."""
     def group_stats(self) -> list[dict[str, int]]:
         """Per group: ``writing``, ``ready``, ``stored``, ``evicted``, ``aborted``."""
 

@@ -410,7 +410,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
-        """The loading child's answer (vLLM's default when none loads)."""
+        """Each loading child's own split of the span it supplied, summed
+        (``MuxScheduler.get_external_cache_hit_sources``; vLLM's default when
+        none loads)."""
         got = self._sched("get_external_cache_hit_sources").get_external_cache_hit_sources(
             request, num_external_tokens
         )

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import Mux
+from kvmux._versions import CacheHitSource
 from kvmux.children import Children
 from kvmux.config import HMA_FIX, MuxConfig
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
-__all__ = ["CORE_HOOKS", "STATS_EVERY_S", "MuxScheduler", "build_mux"]
+__all__ = ["CORE_HOOKS", "STATS_EVERY_S", "MuxScheduler", "build_mux", "own_source"]
 
 logger = logging.getLogger("kvmux")
 
@@ -85,17 +86,30 @@ class MuxScheduler:
     def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
         self.children = children
         self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=True)
+        #: Each child's own hit source (``_cache_hit_source``), by value.
+        self.own_sources = [own_source(c) for c in children.connectors]
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int] | None:
-        """The chosen child's answer; None when no child loads the request."""
-        chosen = self.mux.chosen(request.request_id)
-        if chosen is None:
+        """Each child that supplied tokens of the request's load splits its
+        own span by source (its answer for the span; its own
+        ``_cache_hit_source`` when it answers nothing or a wrong sum), and
+        the splits are summed (the rule is the core's, ``rust/mux/sources.rs``).
+        None when no child loads the request."""
+        if CacheHitSource is None:  # pragma: no cover - a vLLM without the split never asks
             return None
-        return self.children.call_one(
-            chosen, "get_external_cache_hit_sources", request, num_external_tokens
+
+        def split(i: int, span: int) -> list[tuple[str, int]] | None:
+            got = self.children.call_one(i, "get_external_cache_hit_sources", request, span)
+            return _pairs(got)
+
+        pairs = self.mux.hit_sources(
+            request.request_id, num_external_tokens, split, self.own_sources
         )
+        if not pairs:
+            return None
+        return {CacheHitSource(k): n for k, n in pairs}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...] | None:
         """The chosen child's answer; None when no child loads the request."""
@@ -106,3 +120,27 @@ class MuxScheduler:
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self.children.each("bind_kv_cache_manager", kv_cache_manager)
+
+
+def own_source(connector: Any) -> str:
+    """The hit source a connector declares (``_cache_hit_source``), by
+    value (``"host"``, ``"p2p"``, ...); ``"external_unspecified"`` for one
+    that declares none or something vLLM does not know (and on a vLLM without the split)."""
+    if CacheHitSource is None:
+        return "external_unspecified"
+    try:
+        return CacheHitSource(getattr(connector, "_cache_hit_source", None)).value
+    except ValueError:
+        return CacheHitSource.EXTERNAL_UNSPECIFIED.value
+
+
+def _pairs(split: Any) -> list[tuple[str, int]] | None:
+    """A child's split as ``(source value, tokens)`` pairs; None when it is
+    not a mapping of vLLM's sources to token counts."""
+    if CacheHitSource is None or not hasattr(split, "items"):
+        return None
+    try:
+        pairs = [(CacheHitSource(k).value, int(n)) for k, n in split.items()]
+    except (TypeError, ValueError):
+        return None
+    return pairs if all(n >= 0 for _, n in pairs) else None

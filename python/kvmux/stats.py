@@ -43,6 +43,8 @@ __all__ = [
     "FOLDED_INTO_CLASHES",
     "INTERVAL_TOTALS",
     "METRICS",
+    "TIER_GROUP_GAUGE",
+    "TIER_METRICS",
     "TOTAL_METRICS",
     "KvmuxPromMetrics",
     "KvmuxStats",
@@ -64,6 +66,45 @@ BREAKER_GAUGE = (
     "kvmux_breaker_state",
     "A child's circuit breaker: 0 closed, 1 half open (one request probes it), 2 open.",
 )
+
+
+#: A child's tier gauges (the host tier's ``tier.<gauge>`` stats, see
+#: ``kvmux.host_cache.stats.TIER_GAUGES``): Prometheus gauge (label
+#: ``connector``) and help, by gauge. ``tier.group<g>.used_slots`` goes to
+#: :data:`TIER_GROUP_GAUGE` (labels ``connector``, ``group``).
+TIER_PREFIX = "tier."
+TIER_METRICS: dict[str, tuple[str, str]] = {
+    "capacity_slots": ("kvmux_tier_capacity_slots", "A tier's capacity in KV blocks (slots)."),
+    "capacity_bytes": ("kvmux_tier_capacity_bytes", "A tier's capacity in bytes of host memory."),
+    "used_slots": (
+        "kvmux_tier_used_slots",
+        "A tier's slots holding a KV block (ready, or a save in flight).",
+    ),
+    "used_bytes": ("kvmux_tier_used_bytes", "Bytes of a tier's slots holding a KV block."),
+    "pinned_slots": (
+        "kvmux_tier_pinned_slots",
+        "A tier's slots an in-flight load or save holds (never evicted).",
+    ),
+}
+TIER_GROUP_GAUGE = (
+    "kvmux_tier_group_used_slots",
+    "A tier's slots holding KV blocks of one KV cache group.",
+)
+
+
+def _tier_gauges(data: Mapping[str, Any]) -> list[tuple[str, str | None, Any]]:
+    """(gauge key, KV cache group or None, value) of a child's tier gauges."""
+    out: list[tuple[str, str | None, Any]] = []
+    for k, v in data.items():
+        if not (isinstance(k, str) and k.startswith(TIER_PREFIX)):
+            continue
+        rest = k[len(TIER_PREFIX) :]
+        group, _, gauge = rest.partition(".")
+        if gauge and group.startswith("group"):
+            out.append((gauge, group[len("group") :], v))
+        elif rest in TIER_METRICS:
+            out.append((rest, None, v))
+    return out
 
 
 def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
@@ -318,7 +359,8 @@ _COUNTERS: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
 
 class KvmuxPromMetrics(KVConnectorPromMetrics):
     """``kvmux_*`` counters (a ``connector`` label per child, or a ``policy``
-    label), the breakers' gauge, plus each child's own metrics, forwarded."""
+    label), the breakers' gauge, the children's tier gauges (``kvmux_tier_*``,
+    label ``connector``), plus each child's own metrics, forwarded."""
 
     def __init__(
         self,
@@ -343,6 +385,13 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         }
         self._breaker_gauge = self._registered(
             self._gauge_cls, *BREAKER_GAUGE, [*labelnames, "connector"]
+        )
+        self._tier_gauges = {
+            key: self._registered(self._gauge_cls, name, doc, [*labelnames, "connector"])
+            for key, (name, doc) in TIER_METRICS.items()
+        }
+        self._tier_group_gauge = self._registered(
+            self._gauge_cls, *TIER_GROUP_GAUGE, [*labelnames, "connector", "group"]
         )
 
     def _registered(self, cls: Any, name: str, doc: str, labelnames: list[str]) -> Any:
@@ -392,6 +441,16 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
             if isinstance(state, int | float):
                 self._breaker_gauge.labels(*engine_labels, str(child)).set(state)
         for name, entry in (transfer_stats_data.get("children") or {}).items():
+            if not isinstance(entry, Mapping):
+                continue
+            data = entry.get("data") or {}
+            for gauge, group, value in _tier_gauges(data):
+                if not isinstance(value, int | float):
+                    continue
+                if group is None:
+                    self._tier_gauges[gauge].labels(*engine_labels, str(name)).set(value)
+                elif gauge == "used_slots":
+                    self._tier_group_gauge.labels(*engine_labels, str(name), group).set(value)
             prom = self._children.get(name)
-            if prom is not None and isinstance(entry, Mapping):
-                prom.observe(entry.get("data") or {}, engine_idx)
+            if prom is not None:
+                prom.observe(data, engine_idx)

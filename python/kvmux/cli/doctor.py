@@ -136,7 +136,14 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
         except KvmuxConfigError as e:
             rep.problems.extend(e.problems)
         hma = KVConnectorFactory.supports_hma_config(ktc)
-        rep.children.append({"name": rep.connector, "class": _cls_path(cls), "supports_hma": hma})
+        rep.children.append(
+            {
+                "name": rep.connector,
+                "class": _cls_path(cls),
+                "supports_hma": hma,
+                "hit_source": hit_source(cls),
+            }
+        )
         _host_tier(rep, [cls], hma and not disable_hma, model)
         rep.hma = (
             "vLLM keeps the hybrid KV cache manager on"
@@ -165,6 +172,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
                 "supports_hma": spec.supports_hma,
                 "lookup_timeout_ms": spec.lookup_timeout_ms,
                 "breaker": None if spec.breaker is None else asdict(spec.breaker),
+                "hit_source": hit_source(spec.cls),
             }
         )
     if disable_hma:
@@ -185,6 +193,24 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     except Exception as e:  # a child needs more than a bare config to answer
         rep.warnings.append(f"KV cache layout requirement unknown: {type(e).__name__}: {e}")
     return rep
+
+
+def hit_source(cls: type) -> str:
+    """How vLLM's ``prompt_tokens_cached_by_source`` labels a connector's
+    hits: ``source="<its _cache_hit_source>"``, or its own split when it
+    splits them itself (then that is its fallback)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvmux import _versions
+    from kvmux.scheduler import own_source
+
+    if not _versions.HAS_HIT_SOURCES:
+        return "no source (this vLLM does not split external hits by source; vLLM 0.32 and 0.33 do)"
+    src = f'source="{own_source(cls)}"'
+    own = getattr(cls, "get_external_cache_hit_sources", None)
+    if own is not None and own is not KVConnectorBase_V1.get_external_cache_hit_sources:
+        return f"its own split by source (else {src})"
+    return src
 
 
 def _host_tier(rep: Report, classes: list[type], hma_on: bool, model: ModelKV | None) -> None:
@@ -359,7 +385,9 @@ def _print(rep: Report, head: str) -> None:
             else f", breaker: open after {b['failures']} failed lookups for "
             f"{b['cooldown_ms']:g}-{b['max_cooldown_ms']:g} ms"
         )
-        print(f"  child {c['name']}: {c['class']} ({hma}{late}{breaker})")
+        src = c.get("hit_source")
+        hits = f"; its hits count as {src}" if src else ""
+        print(f"  child {c['name']}: {c['class']} ({hma}{late}{breaker}){hits}")
     if rep.hma:
         print(f"hybrid KV cache manager: {rep.hma}")
     if rep.model:

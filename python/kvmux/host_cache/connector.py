@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvmux._versions import CacheHitSource
 from kvmux.errors import KvmuxConfigError
 from kvmux.host_cache.config import parse_host_cache_config
 from kvmux.host_cache.events import HostEvents, group_specs, kv_events_enabled
@@ -48,7 +49,11 @@ __all__ = ["KvmuxHostCache"]
 class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     """A host-memory KV tier: full blocks are saved device->host as they are
     computed and loaded back for later requests that share the prefix, in
-    every KV cache group of the model."""
+    every KV cache group of the model. Its hits are host-memory hits to
+    vLLM's ``prompt_tokens_cached_by_source`` (``CacheHitSource.HOST``)."""
+
+    if CacheHitSource is not None:  # a vLLM from before the hits-by-source split
+        _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
                 [g.kind for g in self.layout.groups],
                 events,
                 promote=cfg.promote,
+                slot_bytes=self.layout.slot_bytes,
             )
         else:
             self._worker = HostCacheWorker(
@@ -230,8 +236,9 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     # --------------------------------------------------------------- stats
 
     def get_kv_connector_stats(self) -> HostCacheStats | None:
-        side = self._sched if self._sched is not None else self._worker
-        return side.stats.take() if side is not None else None
+        if self._sched is not None:
+            return self._sched.take_stats()
+        return self._worker.stats.take() if self._worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HostCacheStats:

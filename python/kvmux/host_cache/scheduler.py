@@ -115,12 +115,14 @@ class HostCacheScheduler:
         kinds: Sequence[str] | None = None,
         events: HostEvents | None = None,
         promote: bool = True,
+        slot_bytes: int = 0,
     ) -> None:
         """``windows``: per KV cache group, None for full attention, else the
         blocks the group reads before a resume point; ``kinds``: the groups'
         kinds, for the stats (see ``layout.py``); ``events``: the tier's KV
         cache events, when vLLM's are on (``events.py``); ``promote``: save
-        the blocks other children loaded too."""
+        the blocks other children loaded too; ``slot_bytes``: the host
+        memory of one slot, for the tier's gauges."""
         self.block_size = block_size
         self.windows = list(windows)
         self.kinds = (
@@ -149,6 +151,8 @@ class HostCacheScheduler:
         # slot -> load confirmations received, not yet a whole set of workers
         self._load_acks: Counter[int] = Counter()
         self.stats = HostCacheStats()
+        self.slot_bytes = slot_bytes
+        self._usage: tuple[int, int, int, list[int]] | None = None  # last reported
         self.events = events
         self.promote = promote
 
@@ -488,6 +492,15 @@ class HostCacheScheduler:
         """The tier's KV cache events since the last call (none unless
         vLLM's KV cache events are on)."""
         return self.events.take() if self.events is not None else []
+
+    def take_stats(self) -> HostCacheStats | None:
+        """This interval's counters, with the tier's gauges whenever they
+        changed since the last report (None: nothing to report)."""
+        usage = self.index.usage()
+        if usage != self._usage:
+            self._usage = usage
+            self.stats.set_tier(*usage, self.slot_bytes)
+        return self.stats.take()
 
     def num_live_requests(self) -> int:
         return len(self._reqs)

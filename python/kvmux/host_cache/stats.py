@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["COUNTERS", "GROUP_COUNTERS", "HostCacheStats"]
+__all__ = ["COUNTERS", "GROUP_COUNTERS", "TIER", "TIER_GAUGES", "HostCacheStats"]
 
 COUNTERS = (
     "lookups",  # requests looked up
@@ -30,15 +30,40 @@ GROUP_COUNTERS = (
 )
 
 
+#: The tier's size and usage now, as ``tier.<gauge>`` (and, per KV cache
+#: group ``g``, ``tier.group<g>.used_slots``): gauges, so a later report
+#: replaces an earlier one instead of adding up. Reported by the scheduler
+#: side whenever they change.
+TIER = "tier."
+TIER_GAUGES = (
+    "capacity_slots",  # host slots (one KV block each)
+    "capacity_bytes",  # host memory of those slots
+    "used_slots",  # slots holding a block (ready, or a save in flight)
+    "used_bytes",
+    "pinned_slots",  # slots an in-flight load or save holds (never evicted)
+)
+
+
 @dataclass
 class HostCacheStats(KVConnectorStats):
     def add(self, name: str, n: int) -> None:
         if n:
             self.data[name] = self.data.get(name, 0) + n
 
+    def set_tier(
+        self, capacity: int, used: int, pinned: int, group_used: list[int], slot_bytes: int
+    ) -> None:
+        """The tier's gauges now (see :data:`TIER_GAUGES`)."""
+        now = (capacity, capacity * slot_bytes, used, used * slot_bytes, pinned)
+        self.data.update({TIER + k: v for k, v in zip(TIER_GAUGES, now, strict=True)})
+        self.data.update({f"{TIER}group{g}.used_slots": n for g, n in enumerate(group_used)})
+
     def aggregate(self, other: KVConnectorStats) -> HostCacheStats:
         for k, v in other.data.items():
-            self.add(k, v)
+            if k.startswith(TIER):
+                self.data[k] = v  # a gauge: the later report wins
+            else:
+                self.add(k, v)
         return self
 
     def reset(self) -> None:
@@ -46,7 +71,7 @@ class HostCacheStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
-        out.update(sorted((k, v) for k, v in self.data.items() if k.startswith("group")))
+        out.update(sorted((k, v) for k, v in self.data.items() if k.startswith(("group", TIER))))
         if out["lookups"]:
             out["hit_tokens_per_lookup"] = round(out["lookup_hit_tokens"] / out["lookups"], 1)
         return out
