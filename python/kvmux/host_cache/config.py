@@ -102,10 +102,13 @@ def parse_host_cache_config(extra: Any) -> HostCacheConfig:
             f"({machine_memory() / GIB:.3g} GiB); lower it"
         )
     if blocks is not None and (
-        isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= MAX_SLOTS
+        isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1
     ):
+        problems.append(f"KvmuxHostCache: num_blocks must be a positive integer, got {blocks!r}")
+    elif blocks is not None and blocks > MAX_SLOTS:
         problems.append(
-            f"KvmuxHostCache: num_blocks must be an integer from 1 to {MAX_SLOTS}, got {blocks!r}"
+            f"KvmuxHostCache: num_blocks={blocks} is more than the host index holds "
+            f"({MAX_SLOTS} blocks); lower it"
         )
     promote = extra.get("promote", True)
     if not isinstance(promote, bool):
