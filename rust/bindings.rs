@@ -1203,14 +1203,15 @@ impl PyMux {
     ) -> PyResult<()> {
         // Over a copy of the items: converting a value may run Python code
         // that changes the dict (iterating it then would panic).
-        let items = |d: Option<&Bound<'py, PyDict>>| -> Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-            d.map_or_else(Vec::new, |d| {
-                d.items()
-                    .iter()
-                    .filter_map(|kv| kv.extract().ok())
-                    .collect()
-            })
-        };
+        let items =
+            |d: Option<&Bound<'py, PyDict>>| -> Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+                d.map_or_else(Vec::new, |d| {
+                    d.items()
+                        .iter()
+                        .filter_map(|kv| kv.extract().ok())
+                        .collect()
+                })
+            };
         let mut s = Vec::new();
         for (k, v) in items(saves) {
             let (children, need): (u64, u32) = v.extract()?;

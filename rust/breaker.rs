@@ -256,10 +256,7 @@ impl Breakers {
                         true
                     }
                     State::HalfOpen if inner.probe.as_deref() == Some(req_id) => {
-                        inner.cooldown = inner
-                            .cooldown
-                            .saturating_mul(2)
-                            .min(b.cfg.max_cooldown);
+                        inner.cooldown = inner.cooldown.saturating_mul(2).min(b.cfg.max_cooldown);
                         self.open(i, b, &mut inner, State::HalfOpen, 1);
                         true
                     }

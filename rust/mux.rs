@@ -1404,7 +1404,10 @@ mod tests {
         // On the way out, a child that never took part fails the call when
         // interrupted (a raise would be contained), after every child ran.
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
-        let answers = vec![Err(ChildFault::Interrupt("SystemExit".into())), done(true, None)];
+        let answers = vec![
+            Err(ChildFault::Interrupt("SystemExit".into())),
+            done(true, None),
+        ];
         let err = finish_with(&m, "x", false, answers).unwrap_err();
         assert!(matches!(
             err,
