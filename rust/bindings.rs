@@ -1178,13 +1178,13 @@ impl PyMux {
     /// span as `(source, tokens)` pairs, or None; `own[i]` its own source.
     fn hit_sources(
         &self,
-        req_id: &str,
+        req_id: &Bound<'_, PyString>,
         num_external_tokens: u64,
         split: &Bound<'_, PyAny>,
         own: Vec<String>,
     ) -> PyResult<Vec<(String, u64)>> {
         self.core.hit_sources(
-            req_id,
+            &str_key(req_id)?,
             num_external_tokens,
             |i, span| split.call1((i, span))?.extract(),
             |i| own.get(i).cloned().unwrap_or_default(),
