@@ -301,7 +301,7 @@ impl PyFanout {
 /// The Python objects the per-step hooks hand back to vLLM, and how often
 /// the counters are reported.
 struct Glue {
-    /// `KvmuxMetadata(children, saves, loads)`.
+    /// `KvmuxMetadata(children, saves, loads, load_blocks)`.
     metadata: Py<PyAny>,
     /// `KvmuxWorkerMetadata`, the type the workers' metadata must have.
     worker_metadata: Py<PyType>,
@@ -369,13 +369,18 @@ impl PyMux {
 
     /// What the workers must be told with the next step's metadata:
     /// `(saves: request id -> (bit set of the saving children, completions
-    /// needed), loads: request id -> bit set of the async loaders)`, each
-    /// None when empty.
+    /// needed), loads: request id -> bit set of the async loaders,
+    /// load_blocks: request id -> the blocks a load with a deadline
+    /// writes)`, each None when empty.
     #[allow(clippy::type_complexity)]
     fn take_outbox<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
+    ) -> PyResult<(
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+    )> {
         let out = self.core.take_outbox();
         let saves = if out.saves.is_empty() {
             None
@@ -391,7 +396,12 @@ impl PyMux {
         } else {
             Some(out.loads.into_py_dict(py)?)
         };
-        Ok((saves, loads))
+        let load_blocks = if out.load_blocks.is_empty() {
+            None
+        } else {
+            Some(out.load_blocks.into_py_dict(py)?)
+        };
+        Ok((saves, loads, load_blocks))
     }
 
     fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
@@ -652,6 +662,26 @@ impl PyMux {
         Ok(out)
     }
 
+    /// Worker side: loads past their child's load deadline are failed (see
+    /// `Mux::expire_loads`): each request reported now is added to
+    /// `finished` (and `failed`).
+    fn expire_loads(
+        &self,
+        finished: &Bound<'_, PySet>,
+        failed: Option<&Bound<'_, PySet>>,
+    ) -> PyResult<()> {
+        let mut err = None;
+        self.core.expire_loads(std::time::Instant::now(), |id| {
+            let r = finished
+                .add(id)
+                .and_then(|()| failed.map_or(Ok(()), |f| f.add(id)));
+            if let Err(e) = r {
+                err.get_or_insert(e);
+            }
+        });
+        err.map_or(Ok(()), Err)
+    }
+
     /// Counters as a dict; `sparse` drops zeros and folds the clash counters
     /// into `{"clashes": {policy: n}}`.
     fn counters_dict<'py>(
@@ -692,7 +722,7 @@ impl PyMux {
     /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
     /// cache manager.
     #[new]
-    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None, breakers = None))]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None, breakers = None, load_timeouts_ms = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -707,6 +737,7 @@ impl PyMux {
         glue: Option<&Bound<'_, PyDict>>,
         lookup_timeouts_ms: Option<Vec<Option<f64>>>,
         breakers: Option<Vec<Option<(u32, f64, f64)>>>,
+        load_timeouts_ms: Option<Vec<Option<f64>>>,
     ) -> PyResult<Self> {
         let n = names.len();
         let glue = glue
@@ -739,6 +770,11 @@ impl PyMux {
             .into_iter()
             .map(|t| t.map(|t| ms("lookup_timeouts_ms", t)).transpose())
             .collect::<PyResult<Vec<_>>>()?;
+        let load_deadlines = load_timeouts_ms
+            .unwrap_or_else(|| vec![None; n])
+            .into_iter()
+            .map(|t| t.map(|t| ms("load_timeouts_ms", t)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
         let breakers = breakers
             .unwrap_or_else(|| vec![None; n])
             .into_iter()
@@ -756,6 +792,7 @@ impl PyMux {
         let core = Mux::new(names, clash, load, block_size)
             .and_then(|m| m.with_lookup_deadlines(deadlines))
             .and_then(|m| m.with_breakers(breakers))
+            .and_then(|m| m.with_load_deadlines(load_deadlines))
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         if hma.len() != n {
             return Err(PyValueError::new_err(format!(
@@ -989,10 +1026,10 @@ impl PyMux {
             .build_meta
             .answers(py, |f| f.call1((scheduler_output,)))
             .map_err(|e| self.child_error(py, hook::BUILD_META, e))?;
-        let (saves, loads) = self.take_outbox(py)?;
+        let (saves, loads, load_blocks) = self.take_outbox(py)?;
         glue.metadata
             .bind(py)
-            .call1((PyTuple::new(py, metas)?, saves, loads))
+            .call1((PyTuple::new(py, metas)?, saves, loads, load_blocks))
     }
 
     /// vLLM's `update_connector_output`: loads the workers report failed
@@ -1095,12 +1132,23 @@ impl PyMux {
     /// metadata (`saves`: request id -> (bit set of the saving children,
     /// completions needed); `loads`: request id -> bit set of the children
     /// loading it asynchronously).
-    #[pyo3(signature = (saves = None, loads = None))]
+    /// `load_blocks`: request id -> the blocks of a load by a child with a
+    /// load deadline, reported as load errors if it misses it (pass them
+    /// only where vLLM has no failed receives).
+    #[pyo3(signature = (saves = None, loads = None, load_blocks = None))]
     fn expect(
         &self,
         saves: Option<&Bound<'_, PyDict>>,
         loads: Option<&Bound<'_, PyDict>>,
+        load_blocks: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
+        if let Some(b) = load_blocks {
+            let b = b
+                .iter()
+                .map(|(k, v)| Ok((k.extract::<String>()?, v.extract::<Vec<u32>>()?)))
+                .collect::<PyResult<Vec<_>>>()?;
+            self.core.expect_load_blocks(b);
+        }
         let mut s = Vec::new();
         for (k, v) in saves.into_iter().flat_map(|d| d.iter()) {
             let (children, need): (u64, u32) = v.extract()?;
@@ -1141,9 +1189,17 @@ impl PyMux {
         py: Python<'py>,
         per_child: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
-        self.complete(py, per_child, |i, id| {
+        let out = self.complete(py, per_child, |i, id| {
             self.core.received(i, id, false).is_some()
-        })
+        })?;
+        self.expire_loads(&out, None)?;
+        Ok(out)
+    }
+
+    /// Worker side: blocks of loads that missed their load deadline since
+    /// the last call (reported with `get_block_ids_with_load_errors`).
+    fn take_timed_out_blocks(&self) -> Vec<u32> {
+        self.core.take_timed_out_blocks()
     }
 
     /// Worker side: each child's `(finished_recving, failed_recving)` of one
@@ -1190,6 +1246,7 @@ impl PyMux {
                 return Err(e);
             }
         }
+        self.expire_loads(&finished, Some(&failed))?;
         Ok((finished, failed))
     }
 
