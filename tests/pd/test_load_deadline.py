@@ -84,7 +84,7 @@ def publish(prefill: Engine, batch: list[list[int]], dl: Deadline) -> list[dict[
 
 
 def decode_timed(
-    decode: Engine, prompt: list[int], params: dict[str, Any], dl: Deadline
+    decode: Engine, prompt: list[int], params: dict[str, Any] | None, dl: Deadline
 ) -> tuple[dict[str, Any], float]:
     t0 = time.monotonic()
     (out,) = decode.generate(
