@@ -314,7 +314,7 @@ impl PyFanout {
 /// The Python objects the per-step hooks hand back to vLLM, and how often
 /// the counters are reported.
 struct Glue {
-    /// `KvmuxMetadata(children, saves, loads)`.
+    /// `KvmuxMetadata(children, saves, loads, load_blocks)`.
     metadata: Py<PyAny>,
     /// `KvmuxWorkerMetadata`, the type the workers' metadata must have.
     worker_metadata: Py<PyType>,
@@ -382,29 +382,35 @@ impl PyMux {
 
     /// What the workers must be told with the next step's metadata:
     /// `(saves: request id -> (bit set of the saving children, completions
-    /// needed), loads: request id -> bit set of the async loaders)`, each
-    /// None when empty.
+    /// needed), loads: request id -> bit set of the async loaders,
+    /// load_blocks: request id -> the blocks a load with a deadline
+    /// writes)`, each None when empty.
     #[allow(clippy::type_complexity)]
     fn take_outbox<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<(Option<Bound<'py, PyDict>>, Option<Bound<'py, PyDict>>)> {
+    ) -> PyResult<(
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+    )> {
         let out = self.core.take_outbox();
-        let saves = if out.saves.is_empty() {
-            None
-        } else {
+        // Keyed by the requests' own ids (the core's keys turned back:
+        // `key_str`), as the workers' children report them.
+        fn by_id<'py, V: IntoPyObject<'py>>(
+            py: Python<'py>,
+            m: impl IntoIterator<Item = (String, V)>,
+        ) -> PyResult<Option<Bound<'py, PyDict>>> {
             let d = PyDict::new(py);
-            for (req, (children, need)) in out.saves {
-                d.set_item(req, (children, need))?;
+            for (req, v) in m {
+                d.set_item(key_str(py, &req)?, v)?;
             }
-            Some(d)
-        };
-        let loads = if out.loads.is_empty() {
-            None
-        } else {
-            Some(out.loads.into_py_dict(py)?)
-        };
-        Ok((saves, loads))
+            Ok((!d.is_empty()).then_some(d))
+        }
+        let saves = by_id(py, out.saves)?;
+        let loads = by_id(py, out.loads)?;
+        let load_blocks = by_id(py, out.load_blocks)?;
+        Ok((saves, loads, load_blocks))
     }
 
     fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
@@ -696,6 +702,26 @@ impl PyMux {
         Ok(out)
     }
 
+    /// Worker side: loads past their child's load deadline are failed (see
+    /// `Mux::expire_loads`): each request reported now is added to
+    /// `finished` (and `failed`).
+    fn expire_loads(
+        &self,
+        finished: &Bound<'_, PySet>,
+        failed: Option<&Bound<'_, PySet>>,
+    ) -> PyResult<()> {
+        let mut err = None;
+        self.core.expire_loads(std::time::Instant::now(), |id| {
+            let r = finished
+                .add(id)
+                .and_then(|()| failed.map_or(Ok(()), |f| f.add(id)));
+            if let Err(e) = r {
+                err.get_or_insert(e);
+            }
+        });
+        err.map_or(Ok(()), Err)
+    }
+
     /// Counters as a dict; `sparse` drops zeros and folds the clash counters
     /// into `{"clashes": {policy: n}}`.
     fn counters_dict<'py>(
@@ -774,7 +800,7 @@ impl PyMux {
     /// child with vLLM's default. `hma[i]`: child i supports the hybrid KV
     /// cache manager.
     #[new]
-    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None, breakers = None))]
+    #[pyo3(signature = (names, clash_policy, load_policy, block_size, hooks, hma, logger, hma_fix, glue = None, lookup_timeouts_ms = None, breakers = None, load_timeouts_ms = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -789,6 +815,7 @@ impl PyMux {
         glue: Option<&Bound<'_, PyDict>>,
         lookup_timeouts_ms: Option<Vec<Option<f64>>>,
         breakers: Option<Vec<Option<(u32, f64, f64)>>>,
+        load_timeouts_ms: Option<Vec<Option<f64>>>,
     ) -> PyResult<Self> {
         let n = names.len();
         let glue = glue
@@ -821,6 +848,11 @@ impl PyMux {
             .into_iter()
             .map(|t| t.map(|t| ms("lookup_timeouts_ms", t)).transpose())
             .collect::<PyResult<Vec<_>>>()?;
+        let load_deadlines = load_timeouts_ms
+            .unwrap_or_else(|| vec![None; n])
+            .into_iter()
+            .map(|t| t.map(|t| ms("load_timeouts_ms", t)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
         let breakers = breakers
             .unwrap_or_else(|| vec![None; n])
             .into_iter()
@@ -838,6 +870,7 @@ impl PyMux {
         let core = Mux::new(names, clash, load, block_size)
             .and_then(|m| m.with_lookup_deadlines(deadlines))
             .and_then(|m| m.with_breakers(breakers))
+            .and_then(|m| m.with_load_deadlines(load_deadlines))
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         if hma.len() != n {
             return Err(PyValueError::new_err(format!(
@@ -1071,10 +1104,10 @@ impl PyMux {
             .build_meta
             .answers(py, |f| f.call1((scheduler_output,)))
             .map_err(|e| self.child_error(py, hook::BUILD_META, e))?;
-        let (saves, loads) = self.take_outbox(py)?;
+        let (saves, loads, load_blocks) = self.take_outbox(py)?;
         glue.metadata
             .bind(py)
-            .call1((PyTuple::new(py, metas)?, saves, loads))
+            .call1((PyTuple::new(py, metas)?, saves, loads, load_blocks))
     }
 
     /// vLLM's `update_connector_output`: loads the workers report failed
@@ -1195,11 +1228,15 @@ impl PyMux {
     /// metadata (`saves`: request id -> (bit set of the saving children,
     /// completions needed); `loads`: request id -> bit set of the children
     /// loading it asynchronously).
-    #[pyo3(signature = (saves = None, loads = None))]
+    /// `load_blocks`: request id -> the blocks of a load by a child with a
+    /// load deadline, reported as load errors if it misses it (pass them
+    /// only where vLLM has no failed receives).
+    #[pyo3(signature = (saves = None, loads = None, load_blocks = None))]
     fn expect<'py>(
         &self,
         saves: Option<&Bound<'py, PyDict>>,
         loads: Option<&Bound<'py, PyDict>>,
+        load_blocks: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<()> {
         // Over a copy of the items: converting a value may run Python code
         // that changes the dict (iterating it then would panic).
@@ -1212,6 +1249,14 @@ impl PyMux {
                         .collect()
                 })
             };
+        if load_blocks.is_some() {
+            let mut b = Vec::new();
+            for (k, v) in items(load_blocks) {
+                let k = k.cast_into::<PyString>()?;
+                b.push((str_key(&k)?.into_owned(), v.extract::<Vec<u32>>()?));
+            }
+            self.core.expect_load_blocks(b);
+        }
         let mut s = Vec::new();
         for (k, v) in items(saves) {
             let (children, need): (u64, u32) = v.extract()?;
@@ -1254,9 +1299,17 @@ impl PyMux {
         py: Python<'py>,
         per_child: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
-        self.complete(py, per_child, |i, id| {
+        let out = self.complete(py, per_child, |i, id| {
             self.core.received(i, id, false).is_some()
-        })
+        })?;
+        self.expire_loads(&out, None)?;
+        Ok(out)
+    }
+
+    /// Worker side: blocks of loads that missed their load deadline since
+    /// the last call (reported with `get_block_ids_with_load_errors`).
+    fn take_timed_out_blocks(&self) -> Vec<u32> {
+        self.core.take_timed_out_blocks()
     }
 
     /// Worker side: each child's `(finished_recving, failed_recving)` of one
@@ -1299,6 +1352,7 @@ impl PyMux {
                 return Err(e);
             }
         }
+        self.expire_loads(&finished, Some(&failed))?;
         Ok((finished, failed))
     }
 

@@ -20,10 +20,25 @@
 //! - a completion from a child that owes nothing for the request (a
 //!   duplicate, one it never saved or loaded, one whose failure on the
 //!   request was contained) is a [`Verdict::Stray`]: dropped, for the
-//!   caller to count.
+//!   caller to count;
+//! - a load past its child's deadline ([`Completions::expire_recvs`]): the
+//!   child no longer owes it and the load is failed for the request (so
+//!   vLLM recomputes it, or fails it, by its `kv_load_failure_policy`); the
+//!   child's completion of it, whenever it comes, is a stray, even when a
+//!   new load of the same request by the same child is waited for by then
+//!   (a late completion is told from a new one: the first one the child
+//!   reports after the deadline is the late one).
 
 use dashmap::{mapref::entry::Entry, DashMap};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
+
+/// How long a late completion of a timed-out load is waited for, to drop
+/// it: past this the child is taken to have lost the transfer (a child
+/// that reports one later still has it dropped when no load of that
+/// request by that child is waited for then).
+pub const LATE_HORIZON: Duration = Duration::from_secs(3600);
 
 /// What one child's completion of one request means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,8 +60,12 @@ struct Owed {
     children: u64,
     /// Completions still needed before the request is done.
     need: u32,
-    /// A receive: some loader reported its load failed.
+    /// A receive: some loader reported its load failed (or missed its
+    /// deadline).
     failed: bool,
+    /// A receive: when the workers heard of the load (None: no loader has
+    /// a deadline).
+    since: Option<Instant>,
 }
 
 /// The completions a worker waits for.
@@ -54,6 +73,10 @@ struct Owed {
 pub struct Completions {
     sends: DashMap<String, Owed, Xxh3DefaultBuilder>,
     recvs: DashMap<String, Owed, Xxh3DefaultBuilder>,
+    /// Loads past their deadline: request id -> (bit set of the children
+    /// whose late completion is still to be dropped, when they missed it).
+    late: DashMap<String, (u64, Instant), Xxh3DefaultBuilder>,
+    n_late: AtomicUsize,
 }
 
 impl Completions {
@@ -75,6 +98,7 @@ impl Completions {
                     children,
                     need,
                     failed: false,
+                    since: None,
                 });
             }
             // Finished again before the first save ended (vLLM reuses an id):
@@ -92,15 +116,111 @@ impl Completions {
     /// set `children` (one, or several spans under `compose`); it is done
     /// when each reported it. A new load of the request replaces the last.
     pub fn expect_recv(&self, req_id: &str, children: u64) {
+        self.expect_recv_since(req_id, children, None);
+    }
+
+    /// [`Completions::expect_recv`], the load's clock started at `since`
+    /// (for [`Completions::expire_recvs`]).
+    pub fn expect_recv_since(&self, req_id: &str, children: u64, since: Option<Instant>) {
         if children != 0 {
             let need = children.count_ones();
             let owed = Owed {
                 children,
                 need,
                 failed: false,
+                since,
             };
             self.recvs.insert(req_id.to_owned(), owed);
         }
+    }
+
+    /// Every load some child of which still owes its completion
+    /// `deadlines[child]` or longer after the load began (`now`): that
+    /// child no longer owes it, its late completion will be dropped, and
+    /// the load is failed. `on(req_id, late_children, done)` gets each such
+    /// request, `done` when no other loader owes it any more (report it
+    /// finished and failed receiving now).
+    pub fn expire_recvs(
+        &self,
+        deadlines: &[Option<Duration>],
+        now: Instant,
+        mut on: impl FnMut(&str, u64, bool),
+    ) {
+        let mut hit: Vec<(String, u64, bool)> = Vec::new();
+        for mut e in self.recvs.iter_mut() {
+            let Some(since) = e.since else { continue };
+            let waited = now.saturating_duration_since(since);
+            let mut late = 0u64;
+            let mut owing = e.children;
+            while owing != 0 {
+                let i = owing.trailing_zeros() as usize;
+                owing &= owing - 1;
+                if deadlines
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|d| waited >= d)
+                {
+                    late |= 1u64 << i;
+                }
+            }
+            if late == 0 {
+                continue;
+            }
+            e.children &= !late;
+            e.need = e.need.saturating_sub(late.count_ones());
+            e.failed = true;
+            hit.push((e.key().clone(), late, e.need == 0));
+        }
+        for (req_id, late, done) in &hit {
+            if *done {
+                self.recvs.remove_if(req_id, |_, o| o.need == 0);
+            }
+            match self.late.entry(req_id.clone()) {
+                Entry::Vacant(v) => {
+                    v.insert((*late, now));
+                    self.n_late.fetch_add(1, Relaxed);
+                }
+                Entry::Occupied(mut o) => {
+                    let t = o.get_mut();
+                    *t = (t.0 | late, now);
+                }
+            }
+            on(req_id, *late, *done);
+        }
+        if self.n_late.load(Relaxed) > 0 {
+            let before = self.late.len();
+            self.late
+                .retain(|_, (_, t)| now.saturating_duration_since(*t) < LATE_HORIZON);
+            self.n_late
+                .fetch_sub(before.saturating_sub(self.late.len()), Relaxed);
+        }
+    }
+
+    /// `child`'s completion of `req_id` is the late one of a load it
+    /// missed the deadline of: taken (true) once.
+    fn take_late(&self, child: usize, req_id: &str) -> bool {
+        if self.n_late.load(Relaxed) == 0 {
+            return false;
+        }
+        let bit = 1u64.checked_shl(child as u32).unwrap_or(0);
+        let Some(mut t) = self.late.get_mut(req_id) else {
+            return false;
+        };
+        if t.0 & bit == 0 {
+            return false;
+        }
+        t.0 &= !bit;
+        drop(t);
+        if self.late.remove_if(req_id, |_, t| t.0 == 0).is_some() {
+            self.n_late.fetch_sub(1, Relaxed);
+        }
+        true
+    }
+
+    /// Timed-out loads whose late completion is still to be dropped.
+    pub fn pending_late(&self) -> usize {
+        self.n_late.load(Relaxed)
     }
 
     /// `child` reported `req_id` finished sending.
@@ -111,6 +231,9 @@ impl Completions {
     /// `child` reported `req_id` finished receiving, its load `failed` or
     /// not.
     pub fn received(&self, child: usize, req_id: &str, failed: bool) -> Verdict {
+        if self.take_late(child, req_id) {
+            return Verdict::Stray;
+        }
         Self::complete(&self.recvs, child, req_id, failed)
     }
 
@@ -242,6 +365,105 @@ mod tests {
             Verdict::Done,
             "a new load starts clean"
         );
+    }
+
+    fn ms(n: u64) -> Option<Duration> {
+        Some(Duration::from_millis(n))
+    }
+
+    /// Runs `expire_recvs` at `now`: (request, late children, done) each.
+    fn expire(
+        c: &Completions,
+        deadlines: &[Option<Duration>],
+        now: Instant,
+    ) -> Vec<(String, u64, bool)> {
+        let mut out = Vec::new();
+        c.expire_recvs(deadlines, now, |r, late, done| {
+            out.push((r.to_owned(), late, done))
+        });
+        out
+    }
+
+    #[test]
+    fn a_load_past_its_deadline_fails_once_and_its_late_completion_is_a_stray() {
+        let c = Completions::new();
+        let t0 = Instant::now();
+        c.expect_recv_since("r", 0b10, Some(t0));
+        let deadlines = [None, ms(100)];
+        assert!(expire(&c, &deadlines, t0 + Duration::from_millis(99)).is_empty());
+        assert_eq!(c.pending_recvs(), 1, "within its deadline it still waits");
+        let hit = expire(&c, &deadlines, t0 + Duration::from_millis(100));
+        assert_eq!(hit, vec![("r".to_owned(), 0b10, true)]);
+        assert_eq!(c.pending_recvs(), 0);
+        assert!(
+            expire(&c, &deadlines, t0 + Duration::from_secs(9)).is_empty(),
+            "failed once"
+        );
+        assert_eq!(c.pending_late(), 1);
+        assert_eq!(
+            c.received(1, "r", false),
+            Verdict::Stray,
+            "the late completion"
+        );
+        assert_eq!(c.pending_late(), 0);
+        assert_eq!(c.received(1, "r", false), Verdict::Stray);
+    }
+
+    #[test]
+    fn the_late_completion_never_finishes_a_new_load_of_the_request() {
+        let c = Completions::new();
+        let t0 = Instant::now();
+        c.expect_recv_since("r", 0b1, Some(t0));
+        assert_eq!(
+            expire(&c, &[ms(10)], t0 + Duration::from_millis(10)).len(),
+            1
+        );
+        // vLLM recomputes; the same child is chosen to load it again.
+        c.expect_recv_since("r", 0b1, Some(t0 + Duration::from_millis(20)));
+        assert_eq!(
+            c.received(0, "r", false),
+            Verdict::Stray,
+            "the first load's, late"
+        );
+        assert_eq!(c.pending_recvs(), 1, "the new load still waits");
+        assert_eq!(c.received(0, "r", false), Verdict::Done, "the new load's");
+    }
+
+    #[test]
+    fn a_timed_out_span_fails_the_request_once_the_other_loaders_reported() {
+        let c = Completions::new();
+        let t0 = Instant::now();
+        c.expect_recv_since("r", 0b11, Some(t0));
+        let hit = expire(&c, &[None, ms(5)], t0 + Duration::from_millis(5));
+        assert_eq!(
+            hit,
+            vec![("r".to_owned(), 0b10, false)],
+            "child 0 still owes its span"
+        );
+        assert_eq!(c.received(0, "r", false), Verdict::Failed);
+        assert_eq!(c.received(1, "r", false), Verdict::Stray);
+        assert_eq!((c.pending_recvs(), c.pending_late()), (0, 0));
+    }
+
+    #[test]
+    fn a_load_without_a_clock_or_a_deadline_waits_for_ever() {
+        let c = Completions::new();
+        let t0 = Instant::now();
+        c.expect_recv("a", 0b1);
+        c.expect_recv_since("b", 0b10, Some(t0));
+        assert!(expire(&c, &[ms(0), None], t0 + Duration::from_secs(3600)).is_empty());
+        assert_eq!(c.pending_recvs(), 2);
+    }
+
+    #[test]
+    fn late_completions_never_reported_are_forgotten_after_the_horizon() {
+        let c = Completions::new();
+        let t0 = Instant::now();
+        c.expect_recv_since("r", 0b1, Some(t0));
+        expire(&c, &[ms(1)], t0 + Duration::from_millis(1));
+        assert_eq!(c.pending_late(), 1);
+        expire(&c, &[ms(1)], t0 + LATE_HORIZON + Duration::from_millis(1));
+        assert_eq!(c.pending_late(), 0);
     }
 
     #[test]

@@ -188,11 +188,15 @@ pub struct Outbox {
     /// asynchronous loads the workers wait for (one, or several spans
     /// under `compose`).
     pub loads: HashMap<String, u64>,
+    /// Of those loaded by a child with a load deadline: the device blocks
+    /// (group 0) the load writes, which a worker reports as load errors if
+    /// it misses the deadline (vLLM without failed receives).
+    pub load_blocks: HashMap<String, Vec<u32>>,
 }
 
 impl Outbox {
     pub fn is_empty(&self) -> bool {
-        self.saves.is_empty() && self.loads.is_empty()
+        self.saves.is_empty() && self.loads.is_empty() && self.load_blocks.is_empty()
     }
 }
 
@@ -219,8 +223,18 @@ pub struct Mux {
     breakers: Breakers,
     /// Bit i: child i's contained lookup error was logged loudly once.
     warned_lookup: AtomicU64,
+    /// Per child: how long an async load may stay unfinished (None:
+    /// forever).
+    load_deadlines: Vec<Option<Duration>>,
+    any_load_deadline: bool,
     /// Worker side: the completions it waits for.
     completions: Completions,
+    /// Worker side: request id -> device blocks of its load, for loads by a
+    /// child with a deadline (vLLM without failed receives).
+    load_blocks: DashMap<String, Vec<u32>>,
+    /// Worker side: blocks of loads that missed their deadline, to report
+    /// as load errors.
+    timed_out_blocks: Mutex<Vec<u32>>,
     /// `compose`: request id -> each child's span at the latest ready
     /// lookup (tokens, loads asynchronously).
     spans: DashMap<String, Vec<(u64, bool)>>,
@@ -259,7 +273,11 @@ impl Mux {
             deadlines: Vec::new(),
             any_deadline: false,
             warned_lookup: AtomicU64::new(0),
+            load_deadlines: Vec::new(),
+            any_load_deadline: false,
             completions: Completions::new(),
+            load_blocks: DashMap::new(),
+            timed_out_blocks: Mutex::new(Vec::new()),
             spans: DashMap::new(),
         })
     }
@@ -283,6 +301,39 @@ impl Mux {
         self.any_deadline = deadlines.iter().any(Option::is_some);
         self.deadlines = deadlines;
         Ok(self)
+    }
+
+    /// Give child i a load deadline `deadlines[i]`: an async load of it
+    /// still unfinished that long after the workers heard of it is failed
+    /// for the request (vLLM recomputes or fails it, by its
+    /// `kv_load_failure_policy`), and the child's late completion of it is
+    /// dropped as a stray ([`Mux::expire_loads`]).
+    pub fn with_load_deadlines<E>(
+        mut self,
+        deadlines: Vec<Option<Duration>>,
+    ) -> Result<Self, MuxError<E>> {
+        if deadlines.len() != self.names.len() {
+            return Err(MuxError::Config(format!(
+                "one load deadline per child ({}), got {}",
+                self.names.len(),
+                deadlines.len()
+            )));
+        }
+        self.any_load_deadline = deadlines.iter().any(Option::is_some);
+        self.load_deadlines = deadlines;
+        Ok(self)
+    }
+
+    /// Bit set of the children with a load deadline.
+    fn load_deadline_bits(&self) -> u64 {
+        if !self.any_load_deadline {
+            return 0;
+        }
+        self.load_deadlines
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.is_some())
+            .fold(0, |b, (i, _)| b | (1u64 << i))
     }
 
     /// Give child i the circuit breaker `breakers[i]` (see
@@ -702,7 +753,23 @@ impl Mux {
                 self.counters.child(j, Child::LoadTokens, g);
             }
             match load_blocks() {
-                Ok(blocks) => self.watch(req_id, blocks),
+                Ok(blocks) => {
+                    if async_loaders & self.load_deadline_bits() != 0 && !blocks.is_empty() {
+                        // The blocks this load writes: from the first one
+                        // after vLLM's own prefix (never a shared block).
+                        let bs = self.block_size;
+                        let local = self.table.get(req_id).map_or(0, |s| s.local_hit_tokens);
+                        let end = (local + num_external_tokens).div_ceil(bs) as usize;
+                        let span = blocks
+                            .get((local / bs) as usize..end.min(blocks.len()))
+                            .unwrap_or_default()
+                            .to_vec();
+                        self.lock_outbox()
+                            .load_blocks
+                            .insert(req_id.to_owned(), span);
+                    }
+                    self.watch(req_id, blocks)
+                }
                 Err(e) => {
                     self.forget(req_id);
                     return Err(MuxError::Host(e));
@@ -1045,9 +1112,64 @@ impl Mux {
         for &(req_id, children, need) in saves {
             self.completions.expect_send(req_id, children, need);
         }
+        let timed = self.load_deadline_bits();
+        let now = (timed != 0 && loads.iter().any(|&(_, c)| c & timed != 0)).then(Instant::now);
         for &(req_id, children) in loads {
-            self.completions.expect_recv(req_id, children);
+            let since = now.filter(|_| children & timed != 0);
+            self.completions.expect_recv_since(req_id, children, since);
         }
+    }
+
+    /// Worker side: the device blocks of loads by a child with a deadline
+    /// (the scheduler side's [`Outbox::load_blocks`]), kept to report as
+    /// load errors if the load misses its deadline; needed only where vLLM
+    /// has no failed receives.
+    pub fn expect_load_blocks(&self, blocks: impl IntoIterator<Item = (String, Vec<u32>)>) {
+        for (req_id, b) in blocks {
+            self.load_blocks.insert(req_id, b);
+        }
+    }
+
+    /// Worker side, once per step: every async load a child with a deadline
+    /// has left unfinished past it is failed for the request (counted in
+    /// `load_timeouts` of that child; its late completion will be a stray).
+    /// `done(req_id)` gets each request to report finished and failed
+    /// receiving now (no other loader owes it); the blocks of the loads
+    /// that timed out go to [`Mux::take_timed_out_blocks`].
+    pub fn expire_loads(&self, now: Instant, mut done: impl FnMut(&str)) {
+        if !self.any_load_deadline || self.completions.pending_recvs() == 0 {
+            return;
+        }
+        self.completions
+            .expire_recvs(&self.load_deadlines, now, |req_id, late, finished| {
+                let mut bits = late;
+                while bits != 0 {
+                    let i = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    self.counters.child(i, Child::LoadTimeouts, 1);
+                }
+                if let Some((_, b)) = self.load_blocks.remove(req_id) {
+                    self.lock_timed_out().extend(b);
+                }
+                if finished {
+                    done(req_id);
+                }
+            });
+    }
+
+    /// Worker side: blocks of loads that missed their deadline since the
+    /// last take (vLLM's `get_block_ids_with_load_errors`).
+    pub fn take_timed_out_blocks(&self) -> Vec<u32> {
+        if !self.any_load_deadline {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.lock_timed_out())
+    }
+
+    fn lock_timed_out(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.timed_out_blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Worker side: child i reported `req_id` finished sending. True when
@@ -1085,11 +1207,15 @@ impl Mux {
             _ => Child::LoadCompletions,
         };
         self.counters.child(i, counter, 1);
-        match verdict {
+        let out = match verdict {
             Verdict::Done => Some(false),
             Verdict::Failed => Some(true),
             Verdict::Waiting | Verdict::Stray => None,
+        };
+        if out.is_some() && self.any_load_deadline {
+            self.load_blocks.remove(req_id);
         }
+        out
     }
 
     /// Worker side: child i's receive results of one step, `finished` and
@@ -1781,6 +1907,94 @@ mod tests {
         assert!(m.take_outbox().is_empty(), "taken once");
         assert_eq!(m.snapshot().totals[Total::ExtraAsyncSaves as usize], 2);
         assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
+    }
+
+    #[test]
+    fn a_load_past_its_deadline_is_failed_with_its_blocks_and_its_late_completion_dropped() {
+        let timeout = Duration::from_millis(50);
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_load_deadlines::<String>(vec![None, Some(timeout)])
+            .unwrap();
+        let lazy = |i: usize| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(if i == 1 { 40 } else { 0 }),
+                load_async: i == 1,
+            })
+        };
+        // 16 tokens in vLLM's own prefix cache (block 7), 40 to load
+        // (blocks 8, 9, 10 of 16-token blocks).
+        m.lookup("r", 16, |i, _| lazy(i)).unwrap();
+        let blocks = || -> Result<Vec<u32>, String> { Ok(vec![7, 8, 9, 10, 11]) };
+        m.allocated("r", 40, blocks, no_tell).unwrap();
+        let out = m.take_outbox();
+        assert_eq!(out.loads.get("r"), Some(&0b10));
+        assert_eq!(
+            out.load_blocks.get("r"),
+            Some(&vec![8, 9, 10]),
+            "never the shared block"
+        );
+
+        // The worker: the clock starts when it hears of the load.
+        let w = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_load_deadlines::<String>(vec![None, Some(timeout)])
+            .unwrap();
+        let t0 = Instant::now();
+        w.expect(&[], &[("r", 0b10)]);
+        w.expect_load_blocks(out.load_blocks);
+        let mut failed = Vec::new();
+        w.expire_loads(t0, |r| failed.push(r.to_owned()));
+        assert!(failed.is_empty() && w.take_timed_out_blocks().is_empty());
+        w.expire_loads(t0 + 2 * timeout, |r| failed.push(r.to_owned()));
+        assert_eq!(failed, ["r"]);
+        assert_eq!(w.take_timed_out_blocks(), [8, 9, 10]);
+        assert!(w.take_timed_out_blocks().is_empty(), "taken once");
+        assert_eq!(w.pending_recvs(), 0);
+        assert_eq!(
+            w.received(1, "r", false),
+            None,
+            "the late completion is dropped"
+        );
+        let snap = w.snapshot();
+        assert_eq!(snap.children[1][Child::LoadTimeouts as usize], 1);
+        assert_eq!(snap.children[1][Child::StrayCompletions as usize], 1);
+        assert_eq!(snap.children[1][Child::LoadCompletions as usize], 0);
+    }
+
+    #[test]
+    fn a_load_in_time_keeps_no_blocks_and_a_child_without_a_deadline_waits() {
+        let w = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_load_deadlines::<String>(vec![None, Some(Duration::ZERO)])
+            .unwrap();
+        w.expect(&[], &[("a", 0b01), ("b", 0b10)]);
+        w.expect_load_blocks([("b".to_owned(), vec![3])]);
+        assert_eq!(w.received(1, "b", false), Some(false));
+        let mut failed = Vec::new();
+        w.expire_loads(Instant::now() + Duration::from_secs(60), |r| {
+            failed.push(r.to_owned())
+        });
+        assert!(
+            failed.is_empty(),
+            "a is loaded by a child without a deadline"
+        );
+        assert!(w.take_timed_out_blocks().is_empty());
+        assert_eq!(w.pending_recvs(), 1);
+        // Without any load deadline nothing is announced beyond the loads.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(16 * i as u64),
+                load_async: i == 1,
+            })
+        })
+        .unwrap();
+        m.allocated(
+            "r",
+            16,
+            || -> Result<Vec<u32>, String> { Ok(vec![1]) },
+            no_tell,
+        )
+        .unwrap();
+        assert!(m.take_outbox().load_blocks.is_empty());
     }
 
     #[test]

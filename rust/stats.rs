@@ -42,6 +42,9 @@ pub enum Child {
     /// Worker: completions this child reported for a request it owed none
     /// for (a duplicate, or one it never saved or loaded): dropped.
     StrayCompletions,
+    /// Worker: async loads this child left unfinished past its deadline
+    /// (failed for the request; its late completion dropped).
+    LoadTimeouts,
 }
 
 /// Names of the per-child counters, by `Child` variant: the one source of the
@@ -62,11 +65,12 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "save_completions",
     "load_completions",
     "stray_completions",
+    "load_timeouts",
 ];
 
 impl Child {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Child::StrayCompletions as usize + 1;
+    pub const COUNT: usize = Child::LoadTimeouts as usize + 1;
 }
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.

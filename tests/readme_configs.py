@@ -112,6 +112,7 @@ PD_CONFIGS = {
     "pd-decode-nixl": ("decode", "pull"),
     "pd-prefill-push": ("prefill", "push"),
     "pd-decode-push": ("decode", "push"),
+    "pd-decode-push-deadline": ("decode", "push"),
 }
 #: The blocks with LMCache also run through vLLM 0.33's real scheduler and
 #: workers (``tests/test_readme.py``), where the KV is checked bit for bit.

@@ -27,6 +27,9 @@ sets. It records every call so tests can check what kvmux routed to it.
 - ``hold_loads``: request ids whose async load its workers do not report
   finished receiving until removed (the load is then reported in the next
   step's ``get_finished``)
+- ``match_once``: offers ``matched`` until it is told to load the request,
+  0 afterwards (as a NIXL decode reads a remote prefill once: vLLM's retry
+  after a failed load computes)
 - ``fail_recving``: with vLLM 0.33's ``get_transfer_results``, its workers
   report each async load they report finished receiving as failed too (in
   ``failed_recving`` as well, as vLLM's contract says a failed receive is)
@@ -86,6 +89,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._to_recv: set[str] = set()  # worker: async loads to report
         self._again: tuple[set[str], set[str]] = (set(), set())  # worker: duplicates
         self._failed_loads: set[int] = set()  # worker
+        self.told_to_load: set[str] = set()  # scheduler: requests it was given tokens of
         self._block_size = vllm_config.cache_config.block_size
         self._maybe_fail("__init__")
 
@@ -104,6 +108,8 @@ class ScriptedConnector(KVConnectorBase_V1):
             return None, False
         if "raw_answer" in self.script:
             return self.script["raw_answer"]
+        if self.script.get("match_once") and request.request_id in self.told_to_load:
+            return 0, False
         # Like a real cache: never the whole prompt (vLLM computes its last token).
         hit = min(self.script.get("matched", 0), request.num_tokens - 1)
         matched = max(0, hit - num_computed_tokens)
@@ -129,6 +135,8 @@ class ScriptedConnector(KVConnectorBase_V1):
             self._loads.extend(blocks.get_block_ids()[0][first : first + n])
         if num_external_tokens > 0 and self.script.get("load_async"):
             self._recving.append(request.request_id)
+        if num_external_tokens > 0:
+            self.told_to_load.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
         # Tell the workers which finished requests this child saves async.

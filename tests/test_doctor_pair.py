@@ -53,6 +53,7 @@ READMES_PAIRS = [
     ("pd-prefill", "pd-decode"),
     ("pd-prefill", "pd-decode-nixl"),
     ("pd-prefill-push", "pd-decode-push"),
+    ("pd-prefill-push", "pd-decode-push-deadline"),
 ]
 
 

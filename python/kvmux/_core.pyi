@@ -57,6 +57,7 @@ class Mux:
         glue: dict[str, Any] | None = None,
         lookup_timeouts_ms: list[float | None] | None = None,
         breakers: list[tuple[int, float, float] | None] | None = None,
+        load_timeouts_ms: list[float | None] | None = None,
     ) -> Self:
         """``hooks``: hook name -> per child ``(True, bound method)`` to call
         it or ``(False, its constant answer)``; a hook left out is answered by
@@ -67,7 +68,8 @@ class Mux:
         ``stats`` and ``stats_every_s`` for the per-step hooks;
         ``lookup_timeouts_ms[i]``: child i's lookup deadline (None: none);
         ``breakers[i]``: child i's breaker ``(failures, cooldown_ms,
-        max_cooldown_ms)`` (None: none)."""
+        max_cooldown_ms)`` (None: none); ``load_timeouts_ms[i]``: child i's
+        async load deadline (None: none)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -100,7 +102,7 @@ class Mux:
     def on_new_request(self, request: Any) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's hook: ``glue["metadata"](children's metadata, saves,
-        loads)``, the completions the workers wait for."""
+        loads, load_blocks)``, the completions the workers wait for."""
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM's hook: failed loads stop counting as loaded; each child sees
         its own slice of the workers' metadata."""
@@ -113,23 +115,32 @@ class Mux:
         self,
         saves: dict[str, tuple[int, int]] | None = None,
         loads: dict[str, int] | None = None,
+        load_blocks: dict[str, list[int]] | None = None,
     ) -> None:
         """Worker side: the completions the metadata announces (``saves``:
         request id -> (bit set of the saving children, completions needed);
-        ``loads``: request id -> bit set of the async loaders)."""
+        ``loads``: request id -> bit set of the async loaders;
+        ``load_blocks``: request id -> the blocks a load by a child with a
+        load deadline writes, reported as load errors if it misses it)."""
     def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
         """Worker side: each child's finished-sending ids (config order) ->
         the requests finished sending now; strays dropped and counted."""
     def complete_recvs(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
         """Worker side (vLLM without ``get_transfer_results``): each child's
         finished receiving ids -> the requests every async loader has
-        reported; strays dropped and counted."""
+        reported, and those whose load missed a child's load deadline
+        (their blocks: :meth:`take_timed_out_blocks`); strays dropped and
+        counted."""
+    def take_timed_out_blocks(self) -> list[int]:
+        """Worker side: blocks of loads that missed their load deadline
+        since the last call."""
     def complete_recv_results(
         self, per_child: Iterable[tuple[Iterable[str] | None, Iterable[str] | None]]
     ) -> tuple[set[str], set[str]]:
         """Worker side: each child's ``(finished_recving, failed_recving)``
         -> ``(finished, failed)``: the requests every async loader has
-        reported, and those of them one of whose loaders failed (in both).
+        reported, and those of them one of whose loaders failed or missed
+        its load deadline (in both).
         A failed id is one completion of its child, listed in both sets or
         in ``failed_recving`` only; strays dropped and counted."""
     def pending_sends(self) -> int: ...

@@ -27,6 +27,9 @@ __all__ = ["BreakerSpec", "ChildSpec", "MuxConfig", "parse_mux_config"]
 #: How long a child may answer a lookup "not ready" before kvmux treats it
 #: as a miss for that request (ms; global here, or per child in its entry).
 LOOKUP_TIMEOUT_KEY = "lookup_timeout_ms"
+#: How long a child's asynchronous load may stay unfinished before kvmux
+#: fails it for the request (ms; global here, or per child in its entry).
+LOAD_TIMEOUT_KEY = "load_timeout_ms"
 #: The circuit breaker of each child (global here, or per child in its
 #: entry): this many consecutive failed lookups (deadline missed, or raised)
 #: open it (None: no breaker; a raising lookup then fails the call) ...
@@ -46,7 +49,14 @@ MIN_COOLDOWN_MS = 1.0
 #: Display names kvmux's own reports already use: vLLM's prefix cache in
 #: ``cached_tokens_by_child``, and kvmux itself in clash errors.
 RESERVED_NAMES = ("local_prefix_cache", "kvmux")
-ALLOWED_KEYS = ("connectors", "clash_policy", "load_policy", LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS)
+ALLOWED_KEYS = (
+    "connectors",
+    "clash_policy",
+    "load_policy",
+    LOOKUP_TIMEOUT_KEY,
+    LOAD_TIMEOUT_KEY,
+    *BREAKER_KEYS,
+)
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
 NAME_KEY = "name"
@@ -64,7 +74,7 @@ NOT_SPAN_LOADERS = {
     "children before it loaded (tests/e2e/test_compose_example_connector.py)",
 }
 #: The keys of a child's entry that are kvmux's, not the child's.
-CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
+CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, LOAD_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 HMA_FIX = (
@@ -106,6 +116,9 @@ class ChildSpec:
     """How long the child may answer a lookup "not ready" (None: no limit)."""
     breaker: BreakerSpec | None = DEFAULT_BREAKER
     """The child's circuit breaker (None: none)."""
+    load_timeout_ms: float | None = None
+    """How long an async load of the child may stay unfinished before it is
+    failed for the request (None: no limit)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config."""
@@ -161,19 +174,32 @@ class _RawChild:
     lookup_timeout_ms: float | None
     breaker: BreakerSpec | None
     loads_spans: bool
+    load_timeout_ms: float | None = None
 
 
-def _timeout(raw: Mapping[str, Any], where: str, problems: list[str]) -> float | None:
-    """``lookup_timeout_ms`` of ``raw`` (None when absent); a problem when it
-    is not a number of milliseconds > 0."""
-    value = raw.get(LOOKUP_TIMEOUT_KEY)
+#: What each deadline key bounds (for the refusal's fix).
+_TIMEOUT_MEANS = {
+    LOOKUP_TIMEOUT_KEY: "a child may answer a lookup 'not ready' before kvmux treats it as "
+    "a miss (a number > 0, e.g. 2000)",
+    LOAD_TIMEOUT_KEY: "a child's asynchronous load may stay unfinished before kvmux fails "
+    "it for the request, which vLLM then recomputes or fails by its "
+    "kv_load_failure_policy (a number > 0, e.g. 10000)",
+}
+
+
+def _timeout(
+    raw: Mapping[str, Any], where: str, problems: list[str], key: str = LOOKUP_TIMEOUT_KEY
+) -> float | None:
+    """``key`` (``lookup_timeout_ms`` or ``load_timeout_ms``) of ``raw``
+    (None when absent); a problem when it is not a number of milliseconds
+    > 0."""
+    value = raw.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
         problems.append(
-            f"{where}{LOOKUP_TIMEOUT_KEY}={value!r} is not valid; set it to the milliseconds "
-            "a child may answer a lookup 'not ready' before kvmux treats it as a miss "
-            "(a number > 0, e.g. 2000), or leave it out for no deadline"
+            f"{where}{key}={value!r} is not valid; set it to the milliseconds "
+            f"{_TIMEOUT_MEANS[key]}, or leave it out for no deadline"
         )
         return None
     return float(value)
@@ -244,6 +270,7 @@ def _child(
     problems: list[str],
     default_timeout: float | None = None,
     default_breaker: BreakerSpec | None = DEFAULT_BREAKER,
+    default_load_timeout: float | None = None,
 ) -> _RawChild | None:
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -306,12 +333,14 @@ def _child(
             return None
     own_timeout = _timeout(raw, f"{where}: ", problems)
     timeout = own_timeout if LOOKUP_TIMEOUT_KEY in raw else default_timeout
+    own_load = _timeout(raw, f"{where}: ", problems, LOAD_TIMEOUT_KEY)
+    load_timeout = own_load if LOAD_TIMEOUT_KEY in raw else default_load_timeout
     breaker = _breaker(raw, f"{where}: ", problems, default_breaker)
     spans = raw.get(SPANS_KEY, cls_name in SPAN_LOADERS)
     if not isinstance(spans, bool):
         problems.append(f"{where}: {SPANS_KEY!r} must be true or false, got {spans!r}")
         return None
-    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker, spans)
+    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker, spans, load_timeout)
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -335,6 +364,9 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
     clash = _policy(extra, "clash_policy", tuple(CLASH_POLICIES), DEFAULT_CLASH_POLICY, problems)
     load = _policy(extra, "load_policy", tuple(LOAD_POLICIES), DEFAULT_LOAD_POLICY, problems)
     default_timeout = _timeout(extra, "kv_connector_extra_config: ", problems)
+    default_load_timeout = _timeout(
+        extra, "kv_connector_extra_config: ", problems, LOAD_TIMEOUT_KEY
+    )
     default_breaker = _breaker(extra, "kv_connector_extra_config: ", problems)
 
     raw_children = extra.get("connectors")
@@ -358,7 +390,15 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         )
     else:
         for i, raw in enumerate(raw_children):
-            got = _child(i, raw, kv_transfer_config, problems, default_timeout, default_breaker)
+            got = _child(
+                i,
+                raw,
+                kv_transfer_config,
+                problems,
+                default_timeout,
+                default_breaker,
+                default_load_timeout,
+            )
             if got is not None:
                 children.append(got)
     names = _names(children, problems)
@@ -401,6 +441,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             supports_hma=KVConnectorFactory.supports_hma_config(c.transfer_config),
             lookup_timeout_ms=c.lookup_timeout_ms,
             breaker=c.breaker,
+            load_timeout_ms=c.load_timeout_ms,
         )
         for c, name in zip(children, names, strict=True)
     )

@@ -28,6 +28,11 @@ class KvmuxMetadata(KVConnectorMetadata):
     set of the children loading it asynchronously (one, or several spans
     under ``compose``); the request is finished receiving once each
     reported it, and no other child's receive completion reaches vLLM."""
+    load_blocks: dict[str, list[int]] | None = None
+    """Of those loaded by a child with a ``load_timeout_ms``: request id ->
+    the device blocks the load writes (group 0), which a worker reports as
+    load errors if the load misses its deadline (vLLM without failed
+    receives)."""
 
 
 @dataclass

@@ -77,6 +77,7 @@ def build_mux(cfg: MuxConfig, children: Children, block_size: int, *, hooks: boo
             None if b is None else (b.failures, b.cooldown_ms, b.max_cooldown_ms)
             for b in (spec.breaker for spec in cfg.children)
         ],
+        [spec.load_timeout_ms for spec in cfg.children],
     )
 
 

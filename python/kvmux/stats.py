@@ -292,6 +292,10 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "Completions a child reported for a request it owed none for (a duplicate, or one "
         "it never saved or loaded): dropped, never passed to vLLM (summed over workers).",
     ),
+    "load_timeouts": (
+        "kvmux_load_timeouts",
+        "Async loads a child left unfinished past its load_timeout_ms (failed for the request).",
+    ),
 }
 
 #: The same for the multiplexer-wide counters (no label; ``clashes``: label

@@ -8,7 +8,10 @@ finished when the loading child reports it, and a completion from a child
 that owed none (a duplicate, a stray, one of a child whose failure on the
 request was contained) is dropped and counted, never passed to vLLM. A load
 one child reports failed is passed on finished and failed once every loader
-of the request reported, so vLLM recomputes it.
+of the request reported, so vLLM recomputes it. A load a child with a
+``load_timeout_ms`` leaves unfinished past it is failed the same way, at the
+first ``get_finished``/``get_transfer_results`` past the deadline, and the
+child's late completion is dropped as a stray.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class MuxWorker:
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         meta = self.own_metadata(connector_metadata)
         if meta.saves or meta.loads:
-            self.mux.expect(meta.saves, meta.loads)
+            # vLLM with failed receives needs no blocks to fail a load.
+            blocks = None if _versions.HAS_TRANSFER_RESULTS else meta.load_blocks
+            self.mux.expect(meta.saves, meta.loads, blocks)
         for i, child_meta in enumerate(meta.children):
             self.children.call_one(i, "bind_connector_metadata", child_meta)
 
@@ -85,7 +90,9 @@ class MuxWorker:
         return KvmuxWorkerMetadata(children=tuple(metas))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed: set[int] = set()
+        # The blocks of loads that missed their load deadline (vLLM without
+        # failed receives; empty otherwise).
+        failed: set[int] = set(self.mux.take_timed_out_blocks())
         for blocks in self.children.call("get_block_ids_with_load_errors"):
             failed |= set(blocks or ())
         if failed:

@@ -171,6 +171,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
                 "kv_role": spec.transfer_config.kv_role,
                 "supports_hma": spec.supports_hma,
                 "lookup_timeout_ms": spec.lookup_timeout_ms,
+                "load_timeout_ms": spec.load_timeout_ms,
                 "breaker": None if spec.breaker is None else asdict(spec.breaker),
                 "hit_source": hit_source(spec.cls),
             }
@@ -374,6 +375,9 @@ def _print(rep: Report, head: str) -> None:
         hma = "HMA" if c["supports_hma"] else "no HMA"
         deadline = c.get("lookup_timeout_ms")
         late = f", a miss after {deadline:g} ms not ready" if deadline is not None else ""
+        load_deadline = c.get("load_timeout_ms")
+        if load_deadline is not None:
+            late += f", a load failed after {load_deadline:g} ms unfinished"
         from kvmux.config import DEFAULT_BREAKER
 
         b = c.get("breaker")
