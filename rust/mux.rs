@@ -218,6 +218,24 @@ pub struct Mux {
     /// `compose`: request id -> each child's span at the latest ready
     /// lookup (tokens, loads asynchronously).
     spans: DashMap<String, Vec<(u64, bool)>>,
+    /// Requests finished while vLLM waited for their asynchronous load and
+    /// saved asynchronously -> the completions still due ([`RECV_DUE`],
+    /// [`SEND_DUE`]): vLLM frees such a request on the first of them, so
+    /// only the last is passed on ([`Mux::reported`]).
+    joined: DashMap<String, u8>,
+    n_joined: AtomicUsize,
+}
+
+/// [`Mux::reported`]: the finished-receiving completion is still due.
+const RECV_DUE: u8 = 1;
+/// [`Mux::reported`]: the finished-sending completion is still due.
+const SEND_DUE: u8 = 2;
+
+/// The completions [`Mux::reported`] holds back from vLLM this step.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub recving: Vec<String>,
+    pub sending: Vec<String>,
 }
 
 impl Mux {
@@ -255,6 +273,8 @@ impl Mux {
             warned_lookup: AtomicU64::new(0),
             completions: Completions::new(),
             spans: DashMap::new(),
+            joined: DashMap::new(),
+            n_joined: AtomicUsize::new(0),
         })
     }
 
@@ -675,6 +695,7 @@ impl Mux {
                 }
             }
             if async_loaders != 0 {
+                self.table.load_started(req_id);
                 self.lock_outbox()
                     .loads
                     .insert(req_id.to_owned(), async_loaders);
@@ -801,6 +822,18 @@ impl Mux {
                 local: state.local_hit_tokens,
             };
             sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
+        }
+        if n_async > 0 && state.load_pending {
+            // Aborted while it waited for remote KV: vLLM frees the request
+            // on its first completion, receive or send, and asserts on the
+            // second; the load and the save both use its blocks until done.
+            if self
+                .joined
+                .insert(req_id.to_owned(), RECV_DUE | SEND_DUE)
+                .is_none()
+            {
+                self.n_joined.fetch_add(1, Relaxed);
+            }
         }
         if n_async > 0 {
             let need = if seen.is_some() { n_async } else { 1 };
@@ -929,6 +962,67 @@ impl Mux {
                 })
             }
         }
+    }
+
+    /// Whether [`Mux::reported`] needs the step's completions: some live
+    /// request waits for its asynchronous load, or some finished one for its
+    /// last completion.
+    pub fn tracking_loads(&self) -> bool {
+        self.table.any_loading() || self.n_joined.load(Relaxed) != 0
+    }
+
+    /// Scheduler side, `update_connector_output`: the ids the workers
+    /// report finished receiving and finished sending this step, before
+    /// vLLM reads them. A live request's load is no longer pending. A
+    /// request that finished (was aborted) while vLLM waited for its
+    /// asynchronous load, and that a child saves asynchronously, is freed
+    /// by vLLM on the first completion it hears of, receive or send, and a
+    /// second one crashes vLLM (`assert req_id in self.requests`): every
+    /// completion of it but the last is [`Held`] back, to be removed from
+    /// what vLLM reads. Its blocks are freed once the load and the save
+    /// both ended, never under either.
+    pub fn reported<S: AsRef<str>>(&self, recving: &[S], sending: &[S]) -> Held {
+        let mut held = Held::default();
+        if !self.tracking_loads() {
+            return held;
+        }
+        let arrive = |id: &str, this: u8| -> bool {
+            if this == RECV_DUE && self.table.load_reported(id) {
+                return false;
+            }
+            if self.n_joined.load(Relaxed) == 0 {
+                return false;
+            }
+            let Some(mut due) = self.joined.get_mut(id) else {
+                return false;
+            };
+            *due &= !this;
+            if *due != 0 {
+                return true;
+            }
+            drop(due);
+            if self.joined.remove_if(id, |_, d| *d == 0).is_some() {
+                self.n_joined.fetch_sub(1, Relaxed);
+            }
+            false
+        };
+        for id in recving {
+            if arrive(id.as_ref(), RECV_DUE) {
+                held.recving.push(id.as_ref().to_owned());
+            }
+        }
+        for id in sending {
+            if arrive(id.as_ref(), SEND_DUE) {
+                held.sending.push(id.as_ref().to_owned());
+            }
+        }
+        held
+    }
+
+    /// Finished requests whose last completion vLLM still waits for
+    /// ([`Mux::reported`]).
+    pub fn joined_requests(&self) -> usize {
+        self.n_joined.load(Relaxed)
     }
 
     /// What the workers must be told with the next step's metadata (taken:
@@ -1691,6 +1785,91 @@ mod tests {
         assert!(m.take_outbox().is_empty(), "taken once");
         assert_eq!(m.snapshot().totals[Total::ExtraAsyncSaves as usize], 2);
         assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
+    }
+
+    /// A lookup where child 0 loads `tokens` asynchronously, and the
+    /// allocation of its load.
+    fn async_load(m: &Mux, req: &str, tokens: u64) {
+        m.lookup(req, 0, |i, _| {
+            R::Ok(ChildMatch {
+                tokens: Some(if i == 0 { tokens } else { 0 }),
+                load_async: i == 0,
+            })
+        })
+        .unwrap();
+        m.allocated(req, tokens, no_blocks, no_tell).unwrap();
+    }
+
+    fn none() -> [&'static str; 0] {
+        []
+    }
+
+    #[test]
+    fn an_abort_mid_load_beside_a_saver_passes_only_the_last_completion() {
+        // Load first, save after; save first, load after; both in one step.
+        for order in 0..3 {
+            let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+            async_load(&m, "r", 48);
+            assert!(m.tracking_loads());
+            let f = finish_with(&m, "r", false, vec![done(false, None), done(true, None)]);
+            assert!(f.unwrap().async_save);
+            assert_eq!(m.joined_requests(), 1);
+            let held = match order {
+                0 => {
+                    let first = m.reported(&["r"], &none());
+                    assert_eq!(first.recving, ["r"], "the load, with the save still due");
+                    m.reported(&none(), &["r"])
+                }
+                1 => {
+                    let first = m.reported(&none(), &["r"]);
+                    assert_eq!(first.sending, ["r"], "the save, with the load still due");
+                    m.reported(&["r"], &none())
+                }
+                _ => {
+                    let both = m.reported(&["r"], &["r"]);
+                    assert_eq!((both.recving, both.sending), (vec!["r".to_owned()], vec![]));
+                    Held::default()
+                }
+            };
+            assert_eq!(held, Held::default(), "the last one passes");
+            assert_eq!(m.joined_requests(), 0);
+            assert!(!m.tracking_loads());
+            assert_eq!(
+                m.reported(&["r"], &["r"]),
+                Held::default(),
+                "later ones pass"
+            );
+        }
+    }
+
+    #[test]
+    fn a_load_reported_before_the_finish_or_no_saver_holds_nothing() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        // vLLM heard the load finished before the abort: it waits for the save only.
+        assert_eq!(m.reported(&["r"], &none()), Held::default());
+        assert!(!m.tracking_loads());
+        finish_with(&m, "r", false, vec![done(false, None), done(true, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert_eq!(m.reported(&none(), &["r"]), Held::default());
+        // Nobody saves: vLLM frees the aborted request on its load's report.
+        async_load(&m, "s", 32);
+        finish_with(&m, "s", false, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert!(!m.tracking_loads());
+        assert_eq!(m.reported(&["s"], &none()), Held::default());
+        // A synchronous load is never pending.
+        m.lookup("t", 0, |_, _| hit(32)).unwrap();
+        m.allocated("t", 32, no_blocks, no_tell).unwrap();
+        assert!(!m.tracking_loads());
+    }
+
+    #[test]
+    fn a_forgotten_request_is_no_longer_loading() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        assert!(m.forget("r"));
+        assert!(!m.tracking_loads());
     }
 
     #[test]

@@ -139,6 +139,9 @@ pub struct RequestState {
     /// Bit i set: child i is out of this request's lookups (it missed its
     /// deadline, raised, or its breaker was open): not asked again, a miss.
     pub excluded: u64,
+    /// An asynchronous load was allocated and vLLM has not yet been told it
+    /// finished receiving (the request waits for remote KV).
+    pub load_pending: bool,
 }
 
 impl RequestState {
@@ -175,6 +178,8 @@ pub struct RequestTable {
     live: AtomicUsize,
     /// Entries with some child excluded.
     excluding: AtomicUsize,
+    /// Entries with `load_pending`.
+    loading: AtomicUsize,
 }
 
 impl RequestTable {
@@ -290,6 +295,35 @@ impl RequestTable {
         }
     }
 
+    /// An asynchronous load of a live request was allocated: vLLM waits
+    /// for its "finished receiving".
+    pub fn load_started(&self, req_id: &str) {
+        if let Some(mut st) = self.map.get_mut(req_id) {
+            if !st.load_pending {
+                st.load_pending = true;
+                self.loading.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// vLLM is told `req_id` finished receiving. True if it is a live
+    /// request (its load is no longer pending).
+    pub fn load_reported(&self, req_id: &str) -> bool {
+        let Some(mut st) = self.map.get_mut(req_id) else {
+            return false;
+        };
+        if st.load_pending {
+            st.load_pending = false;
+            self.loading.fetch_sub(1, Relaxed);
+        }
+        true
+    }
+
+    /// Some live request waits for its asynchronous load.
+    pub fn any_loading(&self) -> bool {
+        self.loading.load(Relaxed) != 0
+    }
+
     /// A `request_finished` event: the state leaves the table (None if the
     /// request was never seen or already finished).
     pub fn finish(&self, req_id: &str) -> Option<RequestState> {
@@ -297,6 +331,9 @@ impl RequestTable {
         self.live.fetch_sub(1, Relaxed);
         if st.excluded != 0 {
             self.excluding.fetch_sub(1, Relaxed);
+        }
+        if st.load_pending {
+            self.loading.fetch_sub(1, Relaxed);
         }
         Some(st)
     }

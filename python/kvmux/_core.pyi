@@ -87,6 +87,9 @@ class Mux:
     ) -> bool: ...
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
+    def joined_requests(self) -> int:
+        """Requests aborted while waiting for their asynchronous load beside
+        an asynchronous save, whose last completion vLLM still waits for."""
     def on_new_request(self, request: Any) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's hook: ``glue["metadata"](children's metadata, saves,
