@@ -22,7 +22,7 @@ use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{self, Clash, ClashPolicy, MergeError, ValueEq};
 use crate::requests::{
-    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN,
+    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestState, RequestTable, MAX_CHILDREN,
 };
 use crate::stats::{Child, Counters, Snapshot, Total};
 
@@ -224,6 +224,40 @@ pub struct Mux {
     /// only the last is passed on ([`Mux::reported`]).
     joined: DashMap<String, u8>,
     n_joined: AtomicUsize,
+    /// Requests admitted more than once -> the tokens credited by their
+    /// earlier admissions ([`Credits`]).
+    credits: DashMap<String, Credits>,
+    n_credits: AtomicUsize,
+}
+
+/// What the earlier admissions of a request (before a preemption, or before
+/// a failed async load was retried) credited, token by token: its first
+/// `covered` tokens went to vLLM's local prefix cache (`local`) or to a
+/// child (`by_child`); a later admission credits only the tokens after them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Credits {
+    pub covered: u64,
+    pub local: u64,
+    pub by_child: PerChild<u64>,
+}
+
+impl Credits {
+    /// An admission's split: `local` tokens from vLLM's prefix cache, then
+    /// each child's span in order. Only tokens past `covered` count.
+    pub fn add(&mut self, local: u64, by_child: &[u64]) {
+        let c = self.covered;
+        if self.by_child.len() < by_child.len() {
+            self.by_child.resize(by_child.len(), 0);
+        }
+        self.local += local.saturating_sub(c);
+        let mut pos = local;
+        for (j, &t) in by_child.iter().enumerate() {
+            let end = pos.saturating_add(t);
+            self.by_child[j] += end.saturating_sub(pos.max(c));
+            pos = end;
+        }
+        self.covered = c.max(pos);
+    }
 }
 
 /// [`Mux::reported`]: the finished-receiving completion is still due.
@@ -275,6 +309,8 @@ impl Mux {
             spans: DashMap::new(),
             joined: DashMap::new(),
             n_joined: AtomicUsize::new(0),
+            credits: DashMap::new(),
+            n_credits: AtomicUsize::new(0),
         })
     }
 
@@ -367,7 +403,53 @@ impl Mux {
         self.unwatch(req_id);
         self.release_probe(req_id);
         self.drop_spans(req_id);
+        self.take_credits(req_id);
         self.table.finish(req_id).is_some()
+    }
+
+    /// The tokens each child supplied in the admission `st` (the chosen
+    /// child's load, or under `compose` each child's span of `spans`, cut to
+    /// what was loaded).
+    fn split(&self, spans: Option<&[(u64, bool)]>, st: &RequestState) -> PerChild<u64> {
+        let mut by_child = zeros(self.names.len());
+        match spans {
+            Some(spans) => {
+                let mut left = st.loaded_tokens;
+                for (j, &(t, _)) in spans.iter().enumerate() {
+                    by_child[j] = t.min(left);
+                    left -= by_child[j];
+                }
+            }
+            None => {
+                if let Some(i) = st.chosen.filter(|_| st.loaded_tokens > 0) {
+                    by_child[i] = st.loaded_tokens;
+                }
+            }
+        }
+        by_child
+    }
+
+    /// A lookup begins a new admission of a request (`before`: its state
+    /// at the end of the last one): that admission's split is credited.
+    fn admission_over(&self, req_id: &str, before: &RequestState) {
+        let spans = (self.load == LoadPolicy::Compose)
+            .then(|| self.spans.get(req_id).map(|s| s.clone()))
+            .flatten();
+        let split = self.split(spans.as_deref(), before);
+        let mut credits = self.credits.entry(req_id.to_owned()).or_insert_with(|| {
+            self.n_credits.fetch_add(1, Relaxed);
+            Credits::default()
+        });
+        credits.add(before.local_hit_tokens, &split);
+    }
+
+    fn take_credits(&self, req_id: &str) -> Option<Credits> {
+        if self.n_credits.load(Relaxed) == 0 {
+            return None;
+        }
+        let (_, c) = self.credits.remove(req_id)?;
+        self.n_credits.fetch_sub(1, Relaxed);
+        Some(c)
     }
 
     fn drop_spans(&self, req_id: &str) -> Option<Vec<(u64, bool)>> {
@@ -452,9 +534,12 @@ impl Mux {
             excluded,
             asked: all_children(n),
         };
-        let got = self
-            .table
-            .lookup_at(req_id, num_computed_tokens, self.load, &matches, who);
+        let (got, before) =
+            self.table
+                .relookup_at(req_id, num_computed_tokens, self.load, &matches, who);
+        if let Some(before) = before {
+            self.admission_over(req_id, &before);
+        }
         self.count_lookup(&got, &matches);
         Ok(Looked {
             lookup: got,
@@ -558,7 +643,7 @@ impl Mux {
             }
         }
         let matches = &matches[..];
-        let got = self.table.lookup_at(
+        let (got, before) = self.table.relookup_at(
             req_id,
             num_computed_tokens,
             self.load,
@@ -569,6 +654,9 @@ impl Mux {
                 asked,
             },
         );
+        if let Some(before) = before {
+            self.admission_over(req_id, &before);
+        }
         if compose && got.tokens.is_some() {
             let spans = matches
                 .iter()
@@ -788,38 +876,34 @@ impl Mux {
         // Who supplied the loaded tokens: the chosen child, or under
         // `compose` each its span, in order (a failed load cut them from
         // the first bad block on).
-        let mut by_child = zeros(self.names.len());
-        match self.drop_spans(req_id) {
-            Some(spans) => {
-                let mut left = state.loaded_tokens;
-                for (j, (t, _)) in spans.into_iter().enumerate() {
-                    by_child[j] = t.min(left);
-                    left -= by_child[j];
-                }
+        let spans = self.drop_spans(req_id);
+        let mut by_child = self.split(spans.as_deref(), &state);
+        let (mut loaded, mut local) = (state.loaded_tokens, state.local_hit_tokens);
+        // Admitted more than once (preempted, or a failed async load
+        // retried): each token is credited once, to the first source.
+        if let Some(mut credits) = self.take_credits(req_id) {
+            if !state.looked {
+                credits.add(state.local_hit_tokens, &by_child);
             }
-            None => {
-                if let Some(i) = state.chosen.filter(|_| state.loaded_tokens > 0) {
-                    by_child[i] = state.loaded_tokens;
-                }
-            }
+            loaded = credits.by_child.iter().sum();
+            local = credits.local;
+            by_child = credits.by_child;
         }
         if seen.is_some() {
             for (j, &t) in by_child.iter().enumerate().filter(|(_, &t)| t > 0) {
                 self.counters.child(j, Child::ServedTokens, t);
             }
-            self.counters
-                .total(Total::LocalCachedTokens, state.local_hit_tokens);
+            self.counters.total(Total::LocalCachedTokens, local);
         }
         if want.any() {
             if want.extra {
-                self.counters
-                    .total(Total::ExtraCachedTokens, state.loaded_tokens);
+                self.counters.total(Total::ExtraCachedTokens, loaded);
             }
             let supplied = Supplied {
                 want,
-                extra: state.loaded_tokens,
+                extra: loaded,
                 by_child,
-                local: state.local_hit_tokens,
+                local,
             };
             sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
         }
@@ -1870,6 +1954,80 @@ mod tests {
         async_load(&m, "r", 48);
         assert!(m.forget("r"));
         assert!(!m.tracking_loads());
+    }
+
+    #[test]
+    fn a_resumed_request_credits_each_token_once_to_its_first_source() {
+        // Child 1 loads 48 tokens; preempted, the request is looked up again
+        // and vLLM's cache holds those 48 and 16 it computed: the child
+        // keeps its 48, vLLM's cache gets the 16 after them.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("r", 48, no_blocks, no_tell).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap(); // a repeat: the same admission
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 16)
+        );
+        let snap = m.snapshot();
+        assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
+        assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
+        // Resumed with a reload past the old span: only the new tokens count.
+        m.lookup("s", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("s", 48, no_blocks, no_tell).unwrap();
+        m.lookup("s", 32, |i, _| hit([32, 0][i])).unwrap();
+        m.allocated("s", 32, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "s");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (64, vec![16, 48], 0)
+        );
+        // Preempted, then aborted before it was admitted again: the first
+        // admission stands.
+        m.lookup("t", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("t", 48, no_blocks, no_tell).unwrap();
+        m.lookup("t", 48, |_, _| hit(0)).unwrap();
+        let s = supplied(&m, "t");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 0)
+        );
+        assert_eq!(m.live_requests(), 0);
+        assert_eq!(m.n_credits.load(Relaxed), 0, "no credits left behind");
+    }
+
+    #[test]
+    fn an_async_loads_second_allocation_is_the_same_admission() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!((s.extra, s.local), (48, 0));
+    }
+
+    proptest! {
+        /// Any admissions (local hit, then a span), in any order: the
+        /// credits add up to at most the furthest token reached, and never
+        /// shrink.
+        #[test]
+        fn credits_count_each_token_once(adm in proptest::collection::vec((0u64..8, 0u64..8, 0usize..2), 1..6)) {
+            let mut c = Credits::default();
+            let mut reach = 0;
+            for (local, span, child) in adm {
+                let (local, span) = (local * 16, span * 16);
+                let mut split = [0u64; 2];
+                split[child] = span;
+                let before = c.clone();
+                c.add(local, &split);
+                reach = reach.max(local + span);
+                prop_assert_eq!(c.covered, reach);
+                prop_assert_eq!(c.local + c.by_child.iter().sum::<u64>(), reach);
+                prop_assert!(c.local >= before.local);
+            }
+        }
     }
 
     #[test]

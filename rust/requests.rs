@@ -142,6 +142,11 @@ pub struct RequestState {
     /// An asynchronous load was allocated and vLLM has not yet been told it
     /// finished receiving (the request waits for remote KV).
     pub load_pending: bool,
+    /// An allocation admitted the request (its lookup's split stands).
+    pub admitted: bool,
+    /// A lookup came after the latest allocation (or before the first):
+    /// its split is not admitted yet.
+    pub looked: bool,
 }
 
 impl RequestState {
@@ -231,13 +236,31 @@ impl RequestTable {
         matches: &[ChildMatch],
         who: Asked,
     ) -> Lookup {
+        self.relookup_at(req_id, local_hit_tokens, policy, matches, who)
+            .0
+    }
+
+    /// [`RequestTable::lookup_at`], also returning the request's state as
+    /// it was when this lookup is the first after an allocation: vLLM looks
+    /// a request up again only from scratch (preempted, or its async load
+    /// failed), so that state holds the split of an admission now over.
+    pub fn relookup_at(
+        &self,
+        req_id: &str,
+        local_hit_tokens: u64,
+        policy: LoadPolicy,
+        matches: &[ChildMatch],
+        who: Asked,
+    ) -> (Lookup, Option<RequestState>) {
         let Asked {
             since,
             excluded,
             asked,
         } = who;
         let decision = choose(policy, matches);
-        self.update(req_id, |st| {
+        let before = self.update(req_id, |st| {
+            let before = (st.admitted && !st.looked).then_some(*st);
+            st.looked = true;
             st.first_lookup = st.first_lookup.or(since);
             if st.excluded == 0 && excluded != 0 {
                 self.excluding.fetch_add(1, Relaxed);
@@ -250,8 +273,9 @@ impl RequestTable {
                 st.matched_tokens = decision.tokens.unwrap_or(0);
                 st.load_async = decision.load_async;
             }
+            before
         });
-        decision
+        (decision, before)
     }
 
     /// A whole `update_state_after_alloc` event. Returns the child that gets
@@ -271,9 +295,15 @@ impl RequestTable {
             if st.took_part == 0 {
                 st.took_part = all_children(n_children);
             }
-            if num_external > 0 {
+            if st.looked {
+                // A new admission: what an earlier one loaded was counted
+                // when this lookup began it.
+                st.loaded_tokens = num_external;
+            } else if num_external > 0 {
                 st.loaded_tokens = num_external;
             }
+            st.admitted = true;
+            st.looked = false;
             let planned = st
                 .chosen
                 .filter(|_| num_external > 0)
