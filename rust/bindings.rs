@@ -380,6 +380,59 @@ impl PyMux {
             .load_errors(|b| invalid.contains(&b), |r| failed.contains(r))
     }
 
+    /// The step's completions go by the core first ([`Mux::reported`]);
+    /// those it holds back are taken out of what vLLM reads (a held receive
+    /// from `failed_recving` too).
+    fn hold_completions(&self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<()> {
+        let recv_key = intern!(py, "finished_recving");
+        let send_key = intern!(py, "finished_sending");
+        let ids = |key: &Bound<'_, PyString>| -> PyResult<Vec<String>> {
+            let v = output.getattr(key)?;
+            if v.is_none() {
+                return Ok(Vec::new());
+            }
+            // Keyed as the core keys them (`str_key`); a non-str id was
+            // never tracked: skipped.
+            Ok(v.try_iter()?
+                .filter_map(|id| {
+                    let id = id.ok()?.cast_into::<PyString>().ok()?;
+                    str_key(&id).ok().map(Cow::into_owned)
+                })
+                .collect())
+        };
+        let held = self.core.reported(&ids(recv_key)?, &ids(send_key)?);
+        let keys = [
+            (recv_key, &held.recving),
+            (intern!(py, "failed_recving"), &held.recving),
+            (send_key, &held.sending),
+        ];
+        for (key, gone) in keys {
+            if gone.is_empty() {
+                continue;
+            }
+            let Ok(v) = output.getattr(key) else {
+                continue; // a vLLM without failed_recving
+            };
+            if v.is_none() {
+                continue;
+            }
+            let kept = PySet::empty(py)?;
+            for id in v.try_iter()? {
+                let id = id?;
+                let is_held = id
+                    .cast::<PyString>()
+                    .ok()
+                    .and_then(|s| str_key(s).ok().map(|k| gone.iter().any(|g| *g == *k)))
+                    .unwrap_or(false);
+                if !is_held {
+                    kept.add(id)?;
+                }
+            }
+            output.setattr(key, kept)?;
+        }
+        Ok(())
+    }
+
     /// What the workers must be told with the next step's metadata:
     /// `(saves: request id -> (bit set of the saving children, completions
     /// needed), loads: request id -> bit set of the async loaders,
@@ -1132,6 +1185,9 @@ impl PyMux {
                 };
             self.load_errors(invalid, failed);
         }
+        if self.core.tracking_loads() {
+            self.hold_completions(py, output)?;
+        }
         let key = intern!(py, "kv_connector_worker_meta");
         let worker_meta = output.getattr(key)?;
         if !worker_meta.is_none() && !worker_meta.is_instance(glue.worker_metadata.bind(py))? {
@@ -1199,6 +1255,12 @@ impl PyMux {
                 .bind(py)
                 .call1((glue.names.bind(py), PyTuple::new(py, stats)?, counters))?;
         Ok((!built.is_none()).then_some(built))
+    }
+
+    /// Requests aborted mid-load beside an async save whose last
+    /// completion vLLM still waits for.
+    fn joined_requests(&self) -> usize {
+        self.core.joined_requests()
     }
 
     /// The child chosen to load a request, if any.

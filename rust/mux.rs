@@ -22,7 +22,7 @@ use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
 use crate::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged, ValueEq};
 use crate::requests::{
-    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestTable, MAX_CHILDREN,
+    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestState, RequestTable, MAX_CHILDREN,
 };
 use crate::stats::{Child, Counters, Snapshot, Total};
 
@@ -238,6 +238,58 @@ pub struct Mux {
     /// `compose`: request id -> each child's span at the latest ready
     /// lookup (tokens, loads asynchronously).
     spans: DashMap<String, Vec<(u64, bool)>>,
+    /// Requests finished while vLLM waited for their asynchronous load and
+    /// saved asynchronously -> the completions still due ([`RECV_DUE`],
+    /// [`SEND_DUE`]): vLLM frees such a request on the first of them, so
+    /// only the last is passed on ([`Mux::reported`]).
+    joined: DashMap<String, u8>,
+    n_joined: AtomicUsize,
+    /// Requests admitted more than once -> the tokens credited by their
+    /// earlier admissions ([`Credits`]).
+    credits: DashMap<String, Credits>,
+    n_credits: AtomicUsize,
+}
+
+/// What the earlier admissions of a request (before a preemption, or before
+/// a failed async load was retried) credited, token by token: its first
+/// `covered` tokens went to vLLM's local prefix cache (`local`) or to a
+/// child (`by_child`); a later admission credits only the tokens after them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Credits {
+    pub covered: u64,
+    pub local: u64,
+    pub by_child: PerChild<u64>,
+}
+
+impl Credits {
+    /// An admission's split: `local` tokens from vLLM's prefix cache, then
+    /// each child's span in order. Only tokens past `covered` count.
+    pub fn add(&mut self, local: u64, by_child: &[u64]) {
+        let c = self.covered;
+        if self.by_child.len() < by_child.len() {
+            self.by_child.resize(by_child.len(), 0);
+        }
+        self.local += local.saturating_sub(c);
+        let mut pos = local;
+        for (j, &t) in by_child.iter().enumerate() {
+            let end = pos.saturating_add(t);
+            self.by_child[j] += end.saturating_sub(pos.max(c));
+            pos = end;
+        }
+        self.covered = c.max(pos);
+    }
+}
+
+/// [`Mux::reported`]: the finished-receiving completion is still due.
+const RECV_DUE: u8 = 1;
+/// [`Mux::reported`]: the finished-sending completion is still due.
+const SEND_DUE: u8 = 2;
+
+/// The completions [`Mux::reported`] holds back from vLLM this step.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub recving: Vec<String>,
+    pub sending: Vec<String>,
 }
 
 impl Mux {
@@ -279,6 +331,10 @@ impl Mux {
             load_blocks: DashMap::new(),
             timed_out_blocks: Mutex::new(Vec::new()),
             spans: DashMap::new(),
+            joined: DashMap::new(),
+            n_joined: AtomicUsize::new(0),
+            credits: DashMap::new(),
+            n_credits: AtomicUsize::new(0),
         })
     }
 
@@ -404,7 +460,53 @@ impl Mux {
         self.unwatch(req_id);
         self.release_probe(req_id);
         self.drop_spans(req_id);
+        self.take_credits(req_id);
         self.table.finish(req_id).is_some()
+    }
+
+    /// The tokens each child supplied in the admission `st` (the chosen
+    /// child's load, or under `compose` each child's span of `spans`, cut to
+    /// what was loaded).
+    fn split(&self, spans: Option<&[(u64, bool)]>, st: &RequestState) -> PerChild<u64> {
+        let mut by_child = zeros(self.names.len());
+        match spans {
+            Some(spans) => {
+                let mut left = st.loaded_tokens;
+                for (j, &(t, _)) in spans.iter().enumerate() {
+                    by_child[j] = t.min(left);
+                    left -= by_child[j];
+                }
+            }
+            None => {
+                if let Some(i) = st.chosen.filter(|_| st.loaded_tokens > 0) {
+                    by_child[i] = st.loaded_tokens;
+                }
+            }
+        }
+        by_child
+    }
+
+    /// A lookup begins a new admission of a request (`before`: its state
+    /// at the end of the last one): that admission's split is credited.
+    fn admission_over(&self, req_id: &str, before: &RequestState) {
+        let spans = (self.load == LoadPolicy::Compose)
+            .then(|| self.spans.get(req_id).map(|s| s.clone()))
+            .flatten();
+        let split = self.split(spans.as_deref(), before);
+        let mut credits = self.credits.entry(req_id.to_owned()).or_insert_with(|| {
+            self.n_credits.fetch_add(1, Relaxed);
+            Credits::default()
+        });
+        credits.add(before.local_hit_tokens, &split);
+    }
+
+    fn take_credits(&self, req_id: &str) -> Option<Credits> {
+        if self.n_credits.load(Relaxed) == 0 {
+            return None;
+        }
+        let (_, c) = self.credits.remove(req_id)?;
+        self.n_credits.fetch_sub(1, Relaxed);
+        Some(c)
     }
 
     fn drop_spans(&self, req_id: &str) -> Option<Vec<(u64, bool)>> {
@@ -489,9 +591,12 @@ impl Mux {
             excluded,
             asked: all_children(n),
         };
-        let got = self
-            .table
-            .lookup_at(req_id, num_computed_tokens, self.load, &matches, who);
+        let (got, before) =
+            self.table
+                .relookup_at(req_id, num_computed_tokens, self.load, &matches, who);
+        if let Some(before) = before {
+            self.admission_over(req_id, &before);
+        }
         self.count_lookup(&got, &matches);
         Ok(Looked {
             lookup: got,
@@ -607,7 +712,7 @@ impl Mux {
             }
         }
         let matches = &matches[..];
-        let got = self.table.lookup_at(
+        let (got, before) = self.table.relookup_at(
             req_id,
             num_computed_tokens,
             self.load,
@@ -618,6 +723,9 @@ impl Mux {
                 asked,
             },
         );
+        if let Some(before) = before {
+            self.admission_over(req_id, &before);
+        }
         if compose && got.tokens.is_some() {
             let spans = matches
                 .iter()
@@ -744,6 +852,7 @@ impl Mux {
                 }
             }
             if async_loaders != 0 {
+                self.table.load_started(req_id);
                 self.lock_outbox()
                     .loads
                     .insert(req_id.to_owned(), async_loaders);
@@ -858,40 +967,48 @@ impl Mux {
         // Who supplied the loaded tokens: the chosen child, or under
         // `compose` each its span, in order (a failed load cut them from
         // the first bad block on).
-        let mut by_child = zeros(self.names.len());
-        match self.drop_spans(req_id) {
-            Some(spans) => {
-                let mut left = state.loaded_tokens;
-                for (j, (t, _)) in spans.into_iter().enumerate() {
-                    by_child[j] = t.min(left);
-                    left -= by_child[j];
-                }
+        let spans = self.drop_spans(req_id);
+        let mut by_child = self.split(spans.as_deref(), &state);
+        let (mut loaded, mut local) = (state.loaded_tokens, state.local_hit_tokens);
+        // Admitted more than once (preempted, or a failed async load
+        // retried): each token is credited once, to the first source.
+        if let Some(mut credits) = self.take_credits(req_id) {
+            if !state.looked {
+                credits.add(state.local_hit_tokens, &by_child);
             }
-            None => {
-                if let Some(i) = state.chosen.filter(|_| state.loaded_tokens > 0) {
-                    by_child[i] = state.loaded_tokens;
-                }
-            }
+            loaded = credits.by_child.iter().sum();
+            local = credits.local;
+            by_child = credits.by_child;
         }
         if seen.is_some() {
             for (j, &t) in by_child.iter().enumerate().filter(|(_, &t)| t > 0) {
                 self.counters.child(j, Child::ServedTokens, t);
             }
-            self.counters
-                .total(Total::LocalCachedTokens, state.local_hit_tokens);
+            self.counters.total(Total::LocalCachedTokens, local);
         }
         if want.any() {
             if want.extra {
-                self.counters
-                    .total(Total::ExtraCachedTokens, state.loaded_tokens);
+                self.counters.total(Total::ExtraCachedTokens, loaded);
             }
             let supplied = Supplied {
                 want,
-                extra: state.loaded_tokens,
+                extra: loaded,
                 by_child,
-                local: state.local_hit_tokens,
+                local,
             };
             sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
+        }
+        if n_async > 0 && state.load_pending {
+            // Aborted while it waited for remote KV: vLLM frees the request
+            // on its first completion, receive or send, and asserts on the
+            // second; the load and the save both use its blocks until done.
+            if self
+                .joined
+                .insert(req_id.to_owned(), RECV_DUE | SEND_DUE)
+                .is_none()
+            {
+                self.n_joined.fetch_add(1, Relaxed);
+            }
         }
         if n_async > 0 {
             let need = if seen.is_some() { n_async } else { 1 };
@@ -1032,6 +1149,67 @@ impl Mux {
                 })
             }
         }
+    }
+
+    /// Whether [`Mux::reported`] needs the step's completions: some live
+    /// request waits for its asynchronous load, or some finished one for its
+    /// last completion.
+    pub fn tracking_loads(&self) -> bool {
+        self.table.any_loading() || self.n_joined.load(Relaxed) != 0
+    }
+
+    /// Scheduler side, `update_connector_output`: the ids the workers
+    /// report finished receiving and finished sending this step, before
+    /// vLLM reads them. A live request's load is no longer pending. A
+    /// request that finished (was aborted) while vLLM waited for its
+    /// asynchronous load, and that a child saves asynchronously, is freed
+    /// by vLLM on the first completion it hears of, receive or send, and a
+    /// second one crashes vLLM (`assert req_id in self.requests`): every
+    /// completion of it but the last is [`Held`] back, to be removed from
+    /// what vLLM reads. Its blocks are freed once the load and the save
+    /// both ended, never under either.
+    pub fn reported<S: AsRef<str>>(&self, recving: &[S], sending: &[S]) -> Held {
+        let mut held = Held::default();
+        if !self.tracking_loads() {
+            return held;
+        }
+        let arrive = |id: &str, this: u8| -> bool {
+            if this == RECV_DUE && self.table.load_reported(id) {
+                return false;
+            }
+            if self.n_joined.load(Relaxed) == 0 {
+                return false;
+            }
+            let Some(mut due) = self.joined.get_mut(id) else {
+                return false;
+            };
+            *due &= !this;
+            if *due != 0 {
+                return true;
+            }
+            drop(due);
+            if self.joined.remove_if(id, |_, d| *d == 0).is_some() {
+                self.n_joined.fetch_sub(1, Relaxed);
+            }
+            false
+        };
+        for id in recving {
+            if arrive(id.as_ref(), RECV_DUE) {
+                held.recving.push(id.as_ref().to_owned());
+            }
+        }
+        for id in sending {
+            if arrive(id.as_ref(), SEND_DUE) {
+                held.sending.push(id.as_ref().to_owned());
+            }
+        }
+        held
+    }
+
+    /// Finished requests whose last completion vLLM still waits for
+    /// ([`Mux::reported`]).
+    pub fn joined_requests(&self) -> usize {
+        self.n_joined.load(Relaxed)
     }
 
     /// What the workers must be told with the next step's metadata (taken:
@@ -1907,6 +2085,165 @@ mod tests {
         assert!(m.take_outbox().is_empty(), "taken once");
         assert_eq!(m.snapshot().totals[Total::ExtraAsyncSaves as usize], 2);
         assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
+    }
+
+    /// A lookup where child 0 loads `tokens` asynchronously, and the
+    /// allocation of its load.
+    fn async_load(m: &Mux, req: &str, tokens: u64) {
+        m.lookup(req, 0, |i, _| {
+            R::Ok(ChildMatch {
+                tokens: Some(if i == 0 { tokens } else { 0 }),
+                load_async: i == 0,
+            })
+        })
+        .unwrap();
+        m.allocated(req, tokens, no_blocks, no_tell).unwrap();
+    }
+
+    fn none() -> [&'static str; 0] {
+        []
+    }
+
+    #[test]
+    fn an_abort_mid_load_beside_a_saver_passes_only_the_last_completion() {
+        // Load first, save after; save first, load after; both in one step.
+        for order in 0..3 {
+            let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+            async_load(&m, "r", 48);
+            assert!(m.tracking_loads());
+            let f = finish_with(&m, "r", false, vec![done(false, None), done(true, None)]);
+            assert!(f.unwrap().async_save);
+            assert_eq!(m.joined_requests(), 1);
+            let held = match order {
+                0 => {
+                    let first = m.reported(&["r"], &none());
+                    assert_eq!(first.recving, ["r"], "the load, with the save still due");
+                    m.reported(&none(), &["r"])
+                }
+                1 => {
+                    let first = m.reported(&none(), &["r"]);
+                    assert_eq!(first.sending, ["r"], "the save, with the load still due");
+                    m.reported(&["r"], &none())
+                }
+                _ => {
+                    let both = m.reported(&["r"], &["r"]);
+                    assert_eq!((both.recving, both.sending), (vec!["r".to_owned()], vec![]));
+                    Held::default()
+                }
+            };
+            assert_eq!(held, Held::default(), "the last one passes");
+            assert_eq!(m.joined_requests(), 0);
+            assert!(!m.tracking_loads());
+            assert_eq!(
+                m.reported(&["r"], &["r"]),
+                Held::default(),
+                "later ones pass"
+            );
+        }
+    }
+
+    #[test]
+    fn a_load_reported_before_the_finish_or_no_saver_holds_nothing() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        // vLLM heard the load finished before the abort: it waits for the save only.
+        assert_eq!(m.reported(&["r"], &none()), Held::default());
+        assert!(!m.tracking_loads());
+        finish_with(&m, "r", false, vec![done(false, None), done(true, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert_eq!(m.reported(&none(), &["r"]), Held::default());
+        // Nobody saves: vLLM frees the aborted request on its load's report.
+        async_load(&m, "s", 32);
+        finish_with(&m, "s", false, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert!(!m.tracking_loads());
+        assert_eq!(m.reported(&["s"], &none()), Held::default());
+        // A synchronous load is never pending.
+        m.lookup("t", 0, |_, _| hit(32)).unwrap();
+        m.allocated("t", 32, no_blocks, no_tell).unwrap();
+        assert!(!m.tracking_loads());
+    }
+
+    #[test]
+    fn a_forgotten_request_is_no_longer_loading() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        assert!(m.forget("r"));
+        assert!(!m.tracking_loads());
+    }
+
+    #[test]
+    fn a_resumed_request_credits_each_token_once_to_its_first_source() {
+        // Child 1 loads 48 tokens; preempted, the request is looked up again
+        // and vLLM's cache holds those 48 and 16 it computed: the child
+        // keeps its 48, vLLM's cache gets the 16 after them.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("r", 48, no_blocks, no_tell).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap(); // a repeat: the same admission
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 16)
+        );
+        let snap = m.snapshot();
+        assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
+        assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
+        // Resumed with a reload past the old span: only the new tokens count.
+        m.lookup("s", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("s", 48, no_blocks, no_tell).unwrap();
+        m.lookup("s", 32, |i, _| hit([32, 0][i])).unwrap();
+        m.allocated("s", 32, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "s");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (64, vec![16, 48], 0)
+        );
+        // Preempted, then aborted before it was admitted again: the first
+        // admission stands.
+        m.lookup("t", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("t", 48, no_blocks, no_tell).unwrap();
+        m.lookup("t", 48, |_, _| hit(0)).unwrap();
+        let s = supplied(&m, "t");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 0)
+        );
+        assert_eq!(m.live_requests(), 0);
+        assert_eq!(m.n_credits.load(Relaxed), 0, "no credits left behind");
+    }
+
+    #[test]
+    fn an_async_loads_second_allocation_is_the_same_admission() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!((s.extra, s.local), (48, 0));
+    }
+
+    proptest! {
+        /// Any admissions (local hit, then a span), in any order: the
+        /// credits add up to at most the furthest token reached, and never
+        /// shrink.
+        #[test]
+        fn credits_count_each_token_once(adm in proptest::collection::vec((0u64..8, 0u64..8, 0usize..2), 1..6)) {
+            let mut c = Credits::default();
+            let mut reach = 0;
+            for (local, span, child) in adm {
+                let (local, span) = (local * 16, span * 16);
+                let mut split = [0u64; 2];
+                split[child] = span;
+                let before = c.clone();
+                c.add(local, &split);
+                reach = reach.max(local + span);
+                prop_assert_eq!(c.covered, reach);
+                prop_assert_eq!(c.local + c.by_child.iter().sum::<u64>(), reach);
+                prop_assert!(c.local >= before.local);
+            }
+        }
     }
 
     #[test]

@@ -145,6 +145,14 @@ pub struct RequestState {
     /// Bit i set: child i is out of this request's lookups (it missed its
     /// deadline, raised, or its breaker was open): not asked again, a miss.
     pub excluded: u64,
+    /// An asynchronous load was allocated and vLLM has not yet been told it
+    /// finished receiving (the request waits for remote KV).
+    pub load_pending: bool,
+    /// An allocation admitted the request (its lookup's split stands).
+    pub admitted: bool,
+    /// A lookup came after the latest allocation (or before the first):
+    /// its split is not admitted yet.
+    pub looked: bool,
 }
 
 impl RequestState {
@@ -181,6 +189,8 @@ pub struct RequestTable {
     live: AtomicUsize,
     /// Entries with some child excluded.
     excluding: AtomicUsize,
+    /// Entries with `load_pending`.
+    loading: AtomicUsize,
 }
 
 impl RequestTable {
@@ -232,13 +242,31 @@ impl RequestTable {
         matches: &[ChildMatch],
         who: Asked,
     ) -> Lookup {
+        self.relookup_at(req_id, local_hit_tokens, policy, matches, who)
+            .0
+    }
+
+    /// [`RequestTable::lookup_at`], also returning the request's state as
+    /// it was when this lookup is the first after an allocation: vLLM looks
+    /// a request up again only from scratch (preempted, or its async load
+    /// failed), so that state holds the split of an admission now over.
+    pub fn relookup_at(
+        &self,
+        req_id: &str,
+        local_hit_tokens: u64,
+        policy: LoadPolicy,
+        matches: &[ChildMatch],
+        who: Asked,
+    ) -> (Lookup, Option<RequestState>) {
         let Asked {
             since,
             excluded,
             asked,
         } = who;
         let decision = choose(policy, matches);
-        self.update(req_id, |st| {
+        let before = self.update(req_id, |st| {
+            let before = (st.admitted && !st.looked).then_some(*st);
+            st.looked = true;
             st.first_lookup = st.first_lookup.or(since);
             if st.excluded == 0 && excluded != 0 {
                 self.excluding.fetch_add(1, Relaxed);
@@ -251,8 +279,9 @@ impl RequestTable {
                 st.matched_tokens = decision.tokens.unwrap_or(0);
                 st.load_async = decision.load_async;
             }
+            before
         });
-        decision
+        (decision, before)
     }
 
     /// A whole `update_state_after_alloc` event. Returns the child that gets
@@ -272,9 +301,15 @@ impl RequestTable {
             if st.took_part == 0 {
                 st.took_part = all_children(n_children);
             }
-            if num_external > 0 {
+            if st.looked {
+                // A new admission: what an earlier one loaded was counted
+                // when this lookup began it.
+                st.loaded_tokens = num_external;
+            } else if num_external > 0 {
                 st.loaded_tokens = num_external;
             }
+            st.admitted = true;
+            st.looked = false;
             let planned = st
                 .chosen
                 .filter(|_| num_external > 0)
@@ -296,6 +331,35 @@ impl RequestTable {
         }
     }
 
+    /// An asynchronous load of a live request was allocated: vLLM waits
+    /// for its "finished receiving".
+    pub fn load_started(&self, req_id: &str) {
+        if let Some(mut st) = self.map.get_mut(req_id) {
+            if !st.load_pending {
+                st.load_pending = true;
+                self.loading.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// vLLM is told `req_id` finished receiving. True if it is a live
+    /// request (its load is no longer pending).
+    pub fn load_reported(&self, req_id: &str) -> bool {
+        let Some(mut st) = self.map.get_mut(req_id) else {
+            return false;
+        };
+        if st.load_pending {
+            st.load_pending = false;
+            self.loading.fetch_sub(1, Relaxed);
+        }
+        true
+    }
+
+    /// Some live request waits for its asynchronous load.
+    pub fn any_loading(&self) -> bool {
+        self.loading.load(Relaxed) != 0
+    }
+
     /// A `request_finished` event: the state leaves the table (None if the
     /// request was never seen or already finished).
     pub fn finish(&self, req_id: &str) -> Option<RequestState> {
@@ -303,6 +367,9 @@ impl RequestTable {
         self.live.fetch_sub(1, Relaxed);
         if st.excluded != 0 {
             self.excluding.fetch_sub(1, Relaxed);
+        }
+        if st.load_pending {
+            self.loading.fetch_sub(1, Relaxed);
         }
         Some(st)
     }

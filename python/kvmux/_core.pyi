@@ -99,6 +99,9 @@ class Mux:
         """vLLM's hits-by-source split of a request's external tokens: each
         child that supplied a span of them splits it (``split(i, span)``; a
         child's own source ``own[i]`` for None or a wrong sum), summed."""
+    def joined_requests(self) -> int:
+        """Requests aborted while waiting for their asynchronous load beside
+        an asynchronous save, whose last completion vLLM still waits for."""
     def on_new_request(self, request: Any) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """vLLM's hook: ``glue["metadata"](children's metadata, saves,

@@ -243,7 +243,8 @@ def _breaker(
         ):
             problems.append(
                 f"{where}{key}={value!r} is not valid; set it to a number of milliseconds > 0 "
-                f"(at least {MIN_COOLDOWN_MS:g}, below 1e9; defaults: {BREAKER_COOLDOWN_KEY} {DEFAULT_BREAKER_COOLDOWN_MS:g}, "
+                f"(at least {MIN_COOLDOWN_MS:g}, below 1e9; defaults: {BREAKER_COOLDOWN_KEY} "
+                f"{DEFAULT_BREAKER_COOLDOWN_MS:g}, "
                 f"{BREAKER_MAX_COOLDOWN_KEY} {DEFAULT_BREAKER_MAX_COOLDOWN_MS:g})"
             )
             return None

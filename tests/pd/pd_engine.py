@@ -173,6 +173,45 @@ class PdEngine:
     def generate(self, requests: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
         return self.collect(self.submit(requests), timeout_s)
 
+    def abort_while_loading(self, request: dict[str, Any], timeout_s: float) -> str:
+        """Submit ``request`` (with a prefill's params) and abort it, as a
+        disconnecting client's request is aborted (``LLMEngine.abort_request``),
+        in the step whose schedule put it in ``WAITING_FOR_REMOTE_KVS``: its
+        NIXL read is then under way (a loopback read is too quick to catch
+        between steps). The status it had when aborted (TimeoutError if it
+        never waited for remote KV)."""
+        from vllm.v1.request import RequestStatus
+
+        (req_id,) = self.submit([request])
+        seen: list[str] = []
+        schedule = self.scheduler.schedule
+
+        def schedule_then_abort(*args: Any, **kwargs: Any) -> Any:
+            so = schedule(*args, **kwargs)
+            # The engine core's id is the client's with a suffix of vLLM's.
+            waiting = [
+                r
+                for i, r in self.scheduler.requests.items()
+                if req_id in (i, i.rpartition("-")[0])
+                and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ]
+            if waiting and not seen:
+                seen.append(waiting[0].status.name)
+                self.llm.abort_request([req_id])
+            return so
+
+        self.scheduler.schedule = schedule_then_abort
+        try:
+            end = time.monotonic() + timeout_s
+            while not seen:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{req_id} never waited for remote KV")
+                if not self.step():
+                    time.sleep(IDLE_POLL_S / 5)
+        finally:
+            self.scheduler.schedule = schedule
+        return seen[0]
+
     def state(self) -> dict[str, Any]:
         """What the test checks beyond outputs: the hybrid-manager decision,
         kvmux's counters, KV usage, summed connector stats."""
