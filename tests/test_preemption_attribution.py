@@ -23,6 +23,7 @@ from tests.test_host_cache import PREFIX, host_child
 
 WANT = {"cached_tokens_by_child": True, "num_extra_cached_tokens": True}
 HOST = "KvmuxHostCache"
+HOST_STATS = {"host_cache_stats": True}
 
 
 def warm(d: Any) -> None:
@@ -76,20 +77,46 @@ def test_after_any_preemption_the_split_adds_up_and_counts_each_token_once():
     """Requests sharing prefixes of 1 to 3 host-tier blocks, preempted under
     several cache sizes (resumed from vLLM's cache, from the host tier, or
     from both): every request's split adds up, no token is counted twice,
-    and the counters are the sum of the requests' splits."""
+    and the counters are the sum of the requests' splits. The host tier's
+    own ``host_cache_stats.loaded_tokens`` counts a span it reloads for a
+    resumed request once too (it added each reload before: 288 loaded
+    tokens for a 164-token request, found by the soak)."""
     for num_blocks in (8, 9, 10, 14):
         d = harness.SchedulerSim(mux_config([host_child()]), num_blocks=num_blocks, max_num_seqs=4)
         warm(d)
         prompts = {f"p{i}": PREFIX[: 16 * (1 + i % 3)] + [i] * 20 for i in range(6)}
         for req_id, prompt in prompts.items():
-            d.add(req_id, prompt, max_tokens=30, kv_transfer_params=WANT)
+            d.add(req_id, prompt, max_tokens=30, kv_transfer_params=WANT | HOST_STATS)
         assert run(d), f"num_blocks={num_blocks} did not preempt"
         served = local = 0
         for req_id, prompt in prompts.items():
             params = d.finished[req_id]
-            assert_counted_once(params, len(prompt) + len(d.outputs[req_id]))
+            num_tokens = len(prompt) + len(d.outputs[req_id])
+            assert_counted_once(params, num_tokens)
+            own = params["host_cache_stats"]["loaded_tokens"]
+            assert params["cached_tokens_by_child"][HOST] <= own <= len(prompt), params
             served += params["cached_tokens_by_child"][HOST]
             local += params["cached_tokens_by_child"]["local_prefix_cache"]
         stats = d.connector.mux_stats()
         assert stats["children"][HOST]["served_tokens"] == served
         assert stats["local_cached_tokens"] == local
+
+
+def test_a_span_the_host_tier_reloads_after_a_preemption_is_counted_once():
+    """B loads 48 tokens from the host tier; a reset that preempts running
+    requests (``/reset_prefix_cache?reset_running_requests=true``) empties
+    vLLM's cache, so B loads the same 48 again on resume: the tier did work
+    twice (its ``loaded_tokens`` stat says 96), but it supplied B 48 tokens,
+    which is what B's ``host_cache_stats`` and kvmux's split say (787259b's
+    tier said 96: the soak's finding)."""
+    d = harness.SchedulerSim(mux_config([host_child()]))
+    warm(d)
+    d.add("B", PREFIX + [2], max_tokens=8, kv_transfer_params=WANT | HOST_STATS)
+    d.step()
+    assert d.scheduler.reset_prefix_cache(reset_running_requests=True)
+    run(d)
+    stats = d.connector.mux_stats()
+    assert stats["children"][HOST]["loads"] == 2, "B was not reloaded from the host tier"
+    assert d.finished["B"]["host_cache_stats"]["loaded_tokens"] == 48
+    assert d.finished["B"]["cached_tokens_by_child"] == {HOST: 48, "local_prefix_cache": 0}
+    assert d.finished["B"]["num_extra_cached_tokens"] == 48

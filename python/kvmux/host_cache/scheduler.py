@@ -81,6 +81,11 @@ class _Req:
     inflight: set[int] = field(default_factory=set)
     """Reserved slots whose save is not confirmed yet."""
     loaded_tokens: int = 0
+    """Tokens this tier supplied the request, each counted once: a request
+    preempted and admitted again that reloads a span is not credited twice
+    (the union of ``loaded_spans``)."""
+    loaded_spans: list[tuple[int, int]] = field(default_factory=list)
+    """Token spans ``[start, end)`` this tier loaded, one per admission."""
     loaded_per_group: Counter[int] = field(default_factory=Counter)
     saved_per_group: Counter[int] = field(default_factory=Counter)
     saved_blocks_new: int = 0
@@ -276,9 +281,11 @@ class HostCacheScheduler:
             self._load_not_offered(request, jobs, all_ids, start, n)
             return
         self.stats.add("loaded_tokens", num_external_tokens)
-        st.loaded_tokens += num_external_tokens
+        st.loaded_spans.append((st.lookup_computed, st.lookup_computed + num_external_tokens))
+        st.loaded_tokens = _union_length(st.loaded_spans)
         for job in jobs:
-            st.loaded_per_group[job.group] += len(job.blocks)
+            # Per group, the largest admission's (a reload is not added).
+            st.loaded_per_group[job.group] = max(st.loaded_per_group[job.group], len(job.blocks))
             if self._per_group:
                 self.stats.add(f"group{job.group}.loaded_blocks", len(job.blocks))
         self._loads.extend(jobs)
@@ -504,3 +511,14 @@ class HostCacheScheduler:
 
     def num_live_requests(self) -> int:
         return len(self._reqs)
+
+
+def _union_length(spans: list[tuple[int, int]]) -> int:
+    """Tokens covered by ``spans`` (half-open ranges), each counted once."""
+    total, reach = 0, 0
+    for start, end in sorted(spans):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
