@@ -15,13 +15,10 @@ Each prints its summary line (served, aborted, hostile, faults, what was
 left, RSS) to stdout (``pytest -s``) and fails with every failed request,
 the summary and the server's tracebacks.
 
-Known failure (not marked xfail: it is a kvmux bug the soak exists to
-catch): after a preemption the host tier's per-request
-``host_cache_stats.loaded_tokens`` adds the tokens loaded again on resume
-(``python/kvmux/host_cache/scheduler.py``: ``st.loaded_tokens +=
-num_external_tokens`` on every allocation), e.g. 288 for a request of 164
-tokens whose ``num_extra_cached_tokens`` is 160 (issue 23, item 3: count
-each token once after any preemption).
+It found one kvmux bug, fixed since: after a preemption the host tier's
+per-request ``host_cache_stats.loaded_tokens`` added the tokens loaded again
+on resume (288 for a request of 164 tokens whose ``num_extra_cached_tokens``
+was 160); ``tests/test_preemption_attribution.py`` now guards it.
 """
 
 from __future__ import annotations
