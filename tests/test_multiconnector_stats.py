@@ -16,7 +16,10 @@ import json
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+    MultiKVConnectorPromMetrics,
+)
 
 
 def test_multiconnector_rebuilds_the_host_tiers_stats_in_the_api_server() -> None:
@@ -34,3 +37,23 @@ def test_multiconnector_rebuilds_the_host_tiers_stats_in_the_api_server() -> Non
     assert type(got) is type(stats)
     assert got.data == {"bytes_saved": 4096, "loaded_tokens": 64}
     assert rebuilt.reduce()  # the front end's log line reads it
+
+
+def test_multiconnector_records_the_host_tiers_stats_for_prometheus() -> None:
+    """What ``MultiConnector.build_prom_metrics`` builds (a child's object
+    by class name where its class returns one) and then observes."""
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvmux.host_cache.connector import KvmuxHostCache
+
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    labels = {0: ["model", "0"]}
+    child = KvmuxHostCache.build_prom_metrics(cfg, types, ["model_name", "engine"], labels)
+    assert child is not None  # MultiConnector keeps only children with an object
+    multi = MultiKVConnectorPromMetrics(
+        cfg, types, ["model_name", "engine"], labels, {KvmuxHostCache.__name__: child}
+    )
+    multi.observe({"KvmuxHostCache": {"bytes_saved": 4096}}, 0)
