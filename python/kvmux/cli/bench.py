@@ -82,6 +82,10 @@ def run_serve(args: argparse.Namespace) -> int:
         work = dataclasses.replace(base, **changes)
     except ValueError as exc:
         raise SystemExit(f"bench serve: {exc}") from None
+    import signal
+
+    # SIGTERM unwinds like Ctrl-C: the servers started so far are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log = (lambda _s: None) if args.no_progress else None
     kwargs = {} if log is None else {"progress": log}
     report = serve.run(
