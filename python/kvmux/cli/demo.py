@@ -26,11 +26,24 @@ __all__ = ["add_arguments", "run"]
 ASK = {"num_extra_cached_tokens": None, "host_cache_stats": None}
 
 
+#: model -> (prefix blocks by default, max_model_len)
+MODELS = {"serve": (16, 1024), "tiny": (4, 256)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per pass")
     p.add_argument("--prefixes", type=int, default=2, help="distinct shared prefixes")
     p.add_argument(
-        "--prefix-blocks", type=int, default=4, help="32-token blocks in each shared prefix"
+        "--model",
+        choices=list(MODELS),
+        default="serve",
+        help="serve: the serving benchmark's random Llama (hidden 256, 8 layers: prefill "
+        "is visible in the time to first token); tiny: hidden 128, 2 layers (fastest)",
+    )
+    p.add_argument(
+        "--prefix-blocks",
+        type=int,
+        help="32-token blocks in each shared prefix (serve: 16, tiny: 4)",
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
     p.add_argument(
@@ -52,23 +65,39 @@ def run(args: argparse.Namespace) -> int:
 
     engine.prepare_env(multiprocess=args.multiprocess)
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.cli.tiny_model import serve_llama, tiny_llama
 
+    blocks, max_len = MODELS[args.model]
     work = engine.Workload(
         num_prompts=args.prompts,
         num_prefixes=args.prefixes,
-        prefix_blocks=args.prefix_blocks,
+        prefix_blocks=blocks if args.prefix_blocks is None else args.prefix_blocks,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        max_model_len=max_len,
     )
     t0 = time.perf_counter()
-    model = tiny_llama()
-    print(f"kvmux demo: tiny random Llama in {model} ({time.perf_counter() - t0:.1f} s)")
+    model = serve_llama() if args.model == "serve" else tiny_llama()
+    print(f"kvmux demo: random Llama in {model} ({time.perf_counter() - t0:.1f} s)")
     storage = tempfile.mkdtemp(prefix="kvmux-demo-example-")
     try:
         return _run(engine, work, str(model), storage, args)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{1e3 * s:.0f}ms"
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = sorted(x for x in xs if x is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
+def _max(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return max(vals) if vals else None
 
 
 def _hma_state(llm: object) -> str | None:
@@ -87,7 +116,7 @@ def _run(
     names = [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]]
     prompts = work.prompts()
     t0 = time.perf_counter()
-    llm = engine.make_llm(model, config)
+    llm = engine.make_llm(model, config, max_model_len=work.max_model_len, log_stats=True)
     mode = "engine core in its own process" if args.multiprocess else "one process"
     print(
         f"vLLM {vllm.__version__} on the CPU ({mode}), KvmuxConnector over {names}: "
@@ -105,23 +134,26 @@ def _run(
     wiped = llm.reset_prefix_cache()
     p2 = engine.run_pass(llm, prompts, work.max_tokens, ASK)
 
-    print(f"{'':8}{'time':>9}{'cached tokens':>15}{'from host tier':>16}")
+    print(f"{'':8}{'time':>9}{'TTFT p50':>10}{'max':>8}{'cached tokens':>15}{'from host tier':>16}")
     for tag, p in (("pass 1", p1), ("pass 2", p2)):
         print(
-            f"{tag:8}{p.seconds:>8.2f}s{sum(p.num_cached_tokens):>15}"
-            f"{sum(p.host_loaded_tokens):>16}"
+            f"{tag:8}{p.seconds:>8.2f}s{_ms(_median(p.ttft)):>10}{_ms(_max(p.ttft)):>8}"
+            f"{sum(p.num_cached_tokens):>15}{sum(p.host_loaded_tokens):>16}"
         )
         if tag == "pass 1":
             print(f"reset_prefix_cache(): vLLM's own prefix cache wiped: {wiped}")
     print("\npass 2 per request:")
     head = f"{'req':>4}{'prompt':>8}{'cached':>8}{'host tier':>11}{'extra':>7}"
-    print(f"{head}  output (first tokens)")
+    print(f"{head}{'TTFT':>8}{'pass 1':>8}  output (first tokens)")
     extra = p2.param("num_extra_cached_tokens", 0)
     for i, prompt in enumerate(prompts):
         print(
             f"{i:>4}{len(prompt):>8}{p2.num_cached_tokens[i]:>8}{p2.host_loaded_tokens[i]:>11}"
-            f"{extra[i]:>7}  {p2.token_ids[i][:6]}"
+            f"{extra[i]:>7}{_ms(p2.ttft[i]):>8}{_ms(p1.ttft[i]):>8}  {p2.token_ids[i][:6]}"
         )
+    print(
+        "(TTFT: time to first token, from arrival, as vLLM measures it; all prompts arrive at once)"
+    )
     print("\nnum_extra_cached_tokens per request, pass 2:", extra)
     print("merged kv_transfer_params of pass-2 request 0:", p2.kv_transfer_params[0])
     same = sum(a == b for a, b in zip(p1.token_ids, p2.token_ids, strict=True))

@@ -91,12 +91,19 @@ def demo_config(storage: str, capacity_gib: float = 0.05) -> dict[str, Any]:
 
 
 def make_llm(
-    model_dir: str, kv_transfer_config: dict[str, Any] | None, block_size: int = CPU_BLOCK_SIZE
+    model_dir: str,
+    kv_transfer_config: dict[str, Any] | None,
+    block_size: int = CPU_BLOCK_SIZE,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    log_stats: bool = False,
 ) -> LLM:
     """A CPU engine for the tiny model (float32, eager, 32-token blocks, prefix
     caching on), with ``kv_transfer_config`` or no connector at all, and
     vLLM's defaults for everything else (the hybrid KV cache manager among
-    them: on for ``KvmuxConnector``, which supports it)."""
+    them: on for ``KvmuxConnector``, which supports it). ``log_stats``: vLLM
+    keeps per-request timings (``RequestOutput.metrics``: time to first
+    token)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -104,12 +111,13 @@ def make_llm(
     return LLM(
         model=model_dir,
         dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         enforce_eager=True,
         block_size=block_size,
         enable_prefix_caching=True,
         kv_transfer_config=ktc,
         seed=0,
+        disable_log_stats=not log_stats,
     )
 
 
@@ -124,13 +132,14 @@ class Workload:
     suffix_tokens: int = 20
     max_tokens: int = 16
     seed: int = 0
+    max_model_len: int = MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
         total = (self.prefix_blocks * CPU_BLOCK_SIZE) + self.suffix_tokens + self.max_tokens
-        if total > MAX_MODEL_LEN:
+        if total > self.max_model_len:
             raise ValueError(
                 f"a prompt plus its output is {total} tokens, over max_model_len "
-                f"{MAX_MODEL_LEN}; use fewer prefix blocks, suffix or output tokens"
+                f"{self.max_model_len}; use fewer prefix blocks, suffix or output tokens"
             )
         if self.suffix_tokens < 1 or self.num_prefixes < 1 or self.num_prompts < 1:
             raise ValueError("num_prompts, num_prefixes and suffix_tokens must be >= 1")
@@ -162,6 +171,9 @@ class PassResult:
     texts: list[str] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
     kv_transfer_params: list[dict[str, Any] | None] = field(default_factory=list)
+    ttft: list[float | None] = field(default_factory=list)
+    """Per request, seconds from arrival to first token (None: the engine
+    keeps no per-request stats: ``make_llm(log_stats=False)``)."""
 
     def param(self, key: str, default: Any = None) -> list[Any]:
         """``kv_transfer_params[key]`` of every request."""
@@ -199,4 +211,6 @@ def run_pass(
         res.texts.append(out.outputs[0].text)
         res.num_cached_tokens.append(int(out.num_cached_tokens or 0))
         res.kv_transfer_params.append(out.kv_transfer_params)
+        ttft = getattr(out.metrics, "first_token_latency", None)
+        res.ttft.append(float(ttft) if ttft else None)
     return res

@@ -31,8 +31,10 @@ __all__ = [
     "BUILD",
     "LLAMA",
     "VOCAB",
+    "SERVE_LLAMA",
     "cache_root",
     "cached",
+    "serve_llama",
     "tiny_llama",
     "tiny_llama_config",
     "train_tokenizer",
@@ -94,13 +96,28 @@ def train_tokenizer(path: Path) -> Any:
     return fast
 
 
-def _build(path: Path) -> None:
+#: The serving benchmark's Llama (``python -m kvmux bench serve``): big enough
+#: that prefill is the cost (a 2k-token prefix takes hundreds of ms on two
+#: CPU cores), 8 KiB of float32 KV per token (8 layers, 2 KV heads of 64).
+SERVE_LLAMA: dict[str, int] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
+
+
+def _build(path: Path, shape: dict[str, int] | None = None) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fast = train_tokenizer(path)
     cfg = LlamaConfig(
-        **LLAMA,
+        **(LLAMA if shape is None else shape),
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
@@ -116,6 +133,13 @@ def _build(path: Path) -> None:
 def tiny_llama(root: Path | None = None) -> Path:
     """The tiny Llama's folder (built on first use; later calls return at once)."""
     return cached("tiny-llama", _build, root)
+
+
+def serve_llama(root: Path | None = None) -> Path:
+    """The serving benchmark's random Llama (:data:`SERVE_LLAMA`), built like
+    :func:`tiny_llama` on first use."""
+    shape = f"h{SERVE_LLAMA['hidden_size']}l{SERVE_LLAMA['num_hidden_layers']}"
+    return cached(f"serve-llama-{shape}", lambda p: _build(p, SERVE_LLAMA), root)
 
 
 def cached(name: str, build: Callable[[Path], None], root: Path | None = None) -> Path:

