@@ -208,16 +208,37 @@ def test_an_index_beyond_memory_raises_instead_of_aborting():
         HostIndex((1 << 32) - 2, 1024)
 
 
-def test_a_huge_breaker_cooldown_opens_without_panicking(driver_factory):
-    """``breaker_cooldown_ms`` near its bound: opening the breaker adds it to
-    the clock, which overflowed with a panic in 787259b."""
-    child = {**scripted(fail="get_num_new_matched_tokens"), "breaker_failures": 1}
-    child["breaker_cooldown_ms"] = 9.9e8
-    child["breaker_max_cooldown_ms"] = 9.9e8
-    d = driver_factory(mux_config([host_child(), child]))
-    d.add("r", PREFIX + [1])
-    d.run()
-    assert d.connector.mux_stats()["breakers"]["ScriptedConnector"] == "open"
+def test_a_cooldown_past_the_clocks_range_opens_the_breaker_without_panicking():
+    """The Rust module takes cooldowns up to a Duration's range (the config
+    caps them, but ``kvmux._core`` is public): opening a breaker added the
+    cooldown to the clock, which overflowed with a Rust panic in 787259b
+    (``overflow when adding duration to instant``); now it opens for the far
+    future."""
+    import logging
+    from types import SimpleNamespace
+
+    from kvmux._core import Mux
+
+    def lookup(request, num_computed_tokens):
+        raise RuntimeError("cache server gone")
+
+    mux = Mux(
+        ["flaky"],
+        "error",
+        "first",
+        16,
+        {"get_num_new_matched_tokens": [(True, lookup)]},
+        [False],
+        logging.getLogger("kvmux.test"),
+        "",
+        None,
+        [None],
+        [(1, 1e22, 1e22)],  # ms: 3e11 years, past what an Instant holds
+    )
+    assert mux.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (0, False)
+    assert mux.stats()["breakers"] == {"flaky": "open"}
+    # Open: skipped (a miss), not asked, not a panic.
+    assert mux.get_num_new_matched_tokens(SimpleNamespace(request_id="s"), 0) == (0, False)
 
 
 # ------------------------------------------------------ item 6: bad configs
