@@ -62,10 +62,12 @@ class Metrics:
 
         d.scheduler.make_stats = recorded  # type: ignore[method-assign]
 
-    @staticmethod
-    def sample(name: str, **labels: str) -> float:
-        """The registry's value of ``name`` for engine 0 and ``labels``."""
-        want = {**labels, "engine": "0"}
+    def sample(self, name: str, **labels: str) -> float:
+        """The registry's value of ``name`` for this engine's labels (engine 0
+        and its model: earlier tests' engines left series of their own in
+        the process-wide registry) and ``labels``."""
+        model_name = str(self.prom.per_engine_labelvalues[0][0])
+        want = {**labels, "engine": "0", "model_name": model_name}
         for metric in REGISTRY.collect():
             for s in metric.samples:
                 if s.name == name and all(s.labels.get(k) == v for k, v in want.items()):
