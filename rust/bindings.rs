@@ -448,6 +448,10 @@ impl PyMux {
         Option<Bound<'py, PyDict>>,
     )> {
         let out = self.core.take_outbox();
+        // The usual step: nothing to tell the workers, no dict built.
+        if out.is_empty() {
+            return Ok((None, None, None));
+        }
         // Keyed by the requests' own ids (the core's keys turned back:
         // `key_str`), as the workers' children report them.
         fn by_id<'py, V: IntoPyObject<'py>>(

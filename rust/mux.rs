@@ -338,6 +338,17 @@ impl Mux {
         })
     }
 
+    /// A per-child setting must have one entry per child.
+    fn one_per_child<E>(&self, what: &str, got: usize) -> Result<(), MuxError<E>> {
+        if got == self.names.len() {
+            return Ok(());
+        }
+        Err(MuxError::Config(format!(
+            "one {what} per child ({}), got {got}",
+            self.names.len()
+        )))
+    }
+
     /// Give child i a lookup deadline `deadlines[i]`: a child still answering
     /// "not ready" that long after the request's first lookup is treated as
     /// a miss for it, is not asked again, and its later answers never count
@@ -347,13 +358,7 @@ impl Mux {
         mut self,
         deadlines: Vec<Option<Duration>>,
     ) -> Result<Self, MuxError<E>> {
-        if deadlines.len() != self.names.len() {
-            return Err(MuxError::Config(format!(
-                "one lookup deadline per child ({}), got {}",
-                self.names.len(),
-                deadlines.len()
-            )));
-        }
+        self.one_per_child("lookup deadline", deadlines.len())?;
         self.any_deadline = deadlines.iter().any(Option::is_some);
         self.deadlines = deadlines;
         Ok(self)
@@ -368,13 +373,7 @@ impl Mux {
         mut self,
         deadlines: Vec<Option<Duration>>,
     ) -> Result<Self, MuxError<E>> {
-        if deadlines.len() != self.names.len() {
-            return Err(MuxError::Config(format!(
-                "one load deadline per child ({}), got {}",
-                self.names.len(),
-                deadlines.len()
-            )));
-        }
+        self.one_per_child("load deadline", deadlines.len())?;
         self.any_load_deadline = deadlines.iter().any(Option::is_some);
         self.load_deadlines = deadlines;
         Ok(self)
@@ -401,13 +400,7 @@ impl Mux {
         mut self,
         breakers: Vec<Option<BreakerConfig>>,
     ) -> Result<Self, MuxError<E>> {
-        if breakers.len() != self.names.len() {
-            return Err(MuxError::Config(format!(
-                "one breaker setting per child ({}), got {}",
-                self.names.len(),
-                breakers.len()
-            )));
-        }
+        self.one_per_child("breaker setting", breakers.len())?;
         if let Some(bad) = breakers
             .iter()
             .flatten()
