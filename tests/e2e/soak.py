@@ -606,8 +606,13 @@ class Soak:
         while True:
             self.lmcache.kill()
             self.tally.add("lmcache_kills")
-            if self.stop.wait(o.down_s):
-                pass  # restart it anyway: the leftovers are checked with it up
+            # Down for the whole ``down_s`` even when the load ends sooner:
+            # a server back before the worker's heartbeat saw it gone is
+            # never re-registered (README), and every later store then waits
+            # 2 x ``mq_timeout`` on the engine's thread. (Restarted at once on
+            # stop, a kill 5 s before the end left the leftovers' 24 probes
+            # 20 s each: CI's soak ran out of its 240 s.)
+            time.sleep(o.down_s)
             self.lmcache.start()
             self.tally.add("lmcache_restarts")
             if self.stop.wait(max(0.0, o.kill_every_s - o.down_s)):
