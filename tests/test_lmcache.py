@@ -379,9 +379,7 @@ def test_lmcache_stats_and_kvmux_counters_reach_vllms_stats_path(lmcache_server,
 
 
 def readme_lmcache_section() -> str:
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    start = text.index("### With LMCache")
-    return text[start : text.index("\n## ", start)]
+    return (Path(__file__).parents[1] / "docs" / "lmcache.md").read_text()
 
 
 def test_the_readme_server_command_is_the_one_the_tests_run(lmcache_server):

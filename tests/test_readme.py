@@ -1,4 +1,4 @@
-"""The README's configurations, read from README.md (``readme_configs.py``):
+"""The documentation's configurations, read from README.md and docs/ (``readme_configs.py``):
 every block is marked and parses, ``doctor`` accepts each one, and the
 blocks with LMCache run here too, through vLLM 0.33's real scheduler and
 workers with the real LMCache MP server, as written (only the server's port
@@ -7,6 +7,8 @@ bit for bit. Every block is also started in a real engine (``tests/e2e``).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from vllm.config import KVTransferConfig
@@ -17,6 +19,7 @@ from tests.lmcache_server import time_limit
 from tests.readme_configs import (
     IN_THE_ENGINE,
     ON_THE_SCHEDULER,
+    PAGES,
     PD_CONFIGS,
     SUBSTITUTABLE,
     readme_configs,
@@ -45,6 +48,19 @@ def test_every_config_block_is_marked_and_started():
         if "LMCacheMPConnector" in str(c.config.get("kv_connector_extra_config"))
     }
     assert with_lmcache == set(ON_THE_SCHEDULER)
+
+
+def test_the_readme_is_a_front_door_that_links_every_page_of_the_manual():
+    """The README stays short (what kvmux is, the two commands, install, the
+    quick start, a map) and every page of ``docs/`` is reachable from it, as
+    every relative link in the README and the pages resolves to a file."""
+    text = PAGES[0].read_text()
+    assert len(text.splitlines()) <= 250, "the README grew past a front door: move it to docs/"
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in text, f"the README's map does not link docs/{page.name}"
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links {target}, which is missing"
 
 
 def test_both_connector_names_are_shown_and_run():
