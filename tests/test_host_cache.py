@@ -313,8 +313,12 @@ def test_copies_are_one_batched_op_per_layer_per_direction():
     for t in layers.values():
         t.zero_()
     ops = _count_ops(lambda: pool.load([3, 4, 5, 6, 7, 8], [0, 11, 12, 13, 14, 31]))
-    assert ops.get("index_copy_") == 4 and not ops.keys() & COPIES - {"index_copy_"}
-    assert torch.equal(layers["l1"][31], pool.layers[1].host[8])
+    # The scatter is NumPy's row assignment over the same memory, one per
+    # layer (torch's index_copy_ was slower, P4): no torch copy, no staging.
+    assert not ops.keys() & COPIES
+    for name, t in layers.items():
+        for i, b in enumerate([0, 11, 12, 13, 14, 31]):
+            assert torch.equal(t[b], pool.layers[int(name[1:])].host[3 + i])
     # Fragmented slots are still one gather/scatter per layer (plus a copy per run).
     ops = _count_ops(lambda: pool.save([1, 2, 3], [0, 10, 11]))
     assert ops.get("index_select") == 4
