@@ -107,15 +107,6 @@ WORKLOAD = engine.Workload(
 #: What a well-behaved request asks back: kvmux's own count, the host
 #: tier's and LMCache's stats.
 ASK = {"num_extra_cached_tokens": True, "host_cache_stats": True, "cached_token_stats": True}
-MODEL_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(engine.MAX_MODEL_LEN),
-    "--enforce-eager",
-    "--block-size",
-    str(engine.CPU_BLOCK_SIZE),
-)
 #: Request kinds and their weights.
 KINDS = {"plain": 4, "stream": 2, "disconnect": 2, "hostile": 3}
 #: RSS may grow this much from after the warm-up to the end (the sum over
@@ -811,7 +802,9 @@ def run_soak(model_dir: str, workdir: Path, opts: SoakOptions) -> SoakReport:
     rss: dict[str, int] = {}
     by_process: dict[str, dict[str, int]] = {}
     try:
-        with serve(model_dir, config, workdir, Deadline(opts.start_s), MODEL_FLAGS) as server:
+        with serve(
+            model_dir, config, workdir, Deadline(opts.start_s), engine.SERVER_FLAGS
+        ) as server:
             pgid = server.proc.pid
             by_process["start"] = group_rss(pgid)
             rss["start"] = sum(by_process["start"].values())

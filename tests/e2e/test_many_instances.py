@@ -51,15 +51,6 @@ pytestmark = pytest.mark.multiprocess
 HOST = "KvmuxHostCache"
 LMCACHE = "LMCacheMPConnector"
 ASK = {"cached_tokens_by_child": True, "num_extra_cached_tokens": True}
-MODEL_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(engine.MAX_MODEL_LEN),
-    "--enforce-eager",
-    "--block-size",
-    str(engine.CPU_BLOCK_SIZE),
-)
 BUDGET_S = 420  # two engines on two cores: each starts in ~1 min alone
 
 
@@ -148,7 +139,7 @@ def instance(
         config = substitute(
             readme_configs()["quickstart"].config, capacity_gib=0.05, lmcache_mp_port=lmcache.port
         )
-        server = stack.enter_context(serve(model_dir, config, work, deadline, MODEL_FLAGS))
+        server = stack.enter_context(serve(model_dir, config, work, deadline, engine.SERVER_FLAGS))
         yield server, lmcache
 
 

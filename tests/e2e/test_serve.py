@@ -64,17 +64,8 @@ WORKLOAD = engine.Workload(num_prompts=4, num_prefixes=2, prefix_blocks=4, max_t
 ASK = {"num_extra_cached_tokens": True, "host_cache_stats": True, "cached_tokens_by_child": True}
 HOST = "KvmuxHostCache"
 FILES = "ExampleConnector"
-MODEL_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(engine.MAX_MODEL_LEN),
-    "--enforce-eager",
-    "--block-size",
-    str(engine.CPU_BLOCK_SIZE),
-)
 #: vLLM returns ``usage.prompt_tokens_details.cached_tokens`` only when asked.
-SERVE_FLAGS = (*MODEL_FLAGS, "--enable-prompt-tokens-details")
+SERVE_FLAGS = (*engine.SERVER_FLAGS, "--enable-prompt-tokens-details")
 START_S = 240  # two cores, perhaps shared with another engine: ~1 min alone
 BUDGET_S = 270  # the whole module, start-up included (stopping adds <= 30 s)
 METRICS_S = 60

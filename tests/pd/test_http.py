@@ -41,15 +41,6 @@ from tests.pd.pd import (
 
 START_S = 300  # two multi-process servers on two shared cores: ~1-2 min
 BUDGET_S = 200  # requests and metrics, after start-up
-MODEL_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(kvmux_engine.MAX_MODEL_LEN),
-    "--enforce-eager",
-    "--block-size",
-    str(kvmux_engine.CPU_BLOCK_SIZE),
-)
 NIXL = "NixlConnector"
 
 
@@ -157,7 +148,7 @@ def served(
     start = Deadline(START_S)
     batch = prompts(seed=71, n=4)
     specs = {"prefill": readme_config("pd-prefill"), "decode": readme_config("pd-decode")}
-    with openai_servers(specs, model_dir, workdir, start, MODEL_FLAGS) as servers:
+    with openai_servers(specs, model_dir, workdir, start, kvmux_engine.SERVER_FLAGS) as servers:
         p, d = servers["prefill"], servers["decode"]
         deadline = Deadline(BUDGET_S)
         proxy = _Proxy(p.base_url, d.base_url, timeout_s=60)

@@ -421,16 +421,19 @@ def vllm_bench(url: str, model: str, work: ServeWorkload, log: Path) -> dict[str
         print("vllm bench serve", " ".join(argv), flush=True)
         result = vb.main(args)
     keep = ("completed", "duration", "request_throughput", "total_token_throughput")
-    out_: dict[str, Any] = {k: result.get(k) for k in keep}
-    out_["failed"] = result.get("failed", 0)
-    out_["errors"] = [e for e in result.get("errors") or [] if e][:5]
-    out_["ttft_s"] = result.get("ttfts") or []
-    out_["texts"] = result.get("generated_texts") or []
-    out_["ttft_ms"] = {q: result.get(f"{q}_ttft_ms") for q in ("p50", "p90", "p99")}
-    out_["ttft_ms"]["p50"] = result.get("median_ttft_ms", result.get("p50_ttft_ms"))
-    out_["itl_ms"] = {"mean": result.get("mean_itl_ms"), "p99": result.get("p99_itl_ms")}
-    out_["argv"] = argv
-    return out_
+    report: dict[str, Any] = {k: result.get(k) for k in keep}
+    report["failed"] = result.get("failed", 0)
+    report["errors"] = [e for e in result.get("errors") or [] if e][:5]
+    report["ttft_s"] = result.get("ttfts") or []
+    report["texts"] = result.get("generated_texts") or []
+    report["ttft_ms"] = {
+        "p50": result.get("median_ttft_ms", result.get("p50_ttft_ms")),
+        "p90": result.get("p90_ttft_ms"),
+        "p99": result.get("p99_ttft_ms"),
+    }
+    report["itl_ms"] = {"mean": result.get("mean_itl_ms"), "p99": result.get("p99_itl_ms")}
+    report["argv"] = argv
+    return report
 
 
 # ----------------------------------------------------------------- metrics

@@ -26,6 +26,7 @@ __all__ = [
     "CPU_BLOCK_SIZE",
     "MAX_MODEL_LEN",
     "PassResult",
+    "SERVER_FLAGS",
     "demo_config",
     "Workload",
     "host_tier_config",
@@ -39,6 +40,17 @@ __all__ = [
 #: vLLM's GPU default: ``kvmux.bench.sim.BLOCK_SIZE``).
 CPU_BLOCK_SIZE = 32
 MAX_MODEL_LEN = 256
+#: ``vllm serve`` flags of every CPU server the tests and benchmarks start
+#: (the model's own dtype would be bfloat16, slow on a CPU).
+SERVER_FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--enforce-eager",
+    "--block-size",
+    str(CPU_BLOCK_SIZE),
+)
 
 
 def prepare_env(*, multiprocess: bool = False) -> None:
