@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -40,7 +37,7 @@ import httpx
 import pytest
 
 from kvmux.bench.lmcache import LMCacheServer
-from kvmux.bench.server import free_port, stop_group
+from kvmux.bench.redis import RedisServer
 from kvmux.cli import engine
 from tests.e2e.engine_runs import WORKLOAD, Runs
 from tests.e2e.server import Deadline, Server, serve
@@ -54,58 +51,6 @@ ASK = {"cached_tokens_by_child": True, "num_extra_cached_tokens": True}
 BUDGET_S = 420  # two engines on two cores: each starts in ~1 min alone
 
 
-class Redis:
-    """``redis-server`` on a free loopback port, in memory only."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, deadline: Deadline) -> Redis:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError(
-                "redis-server is not installed: scripts/test.sh installs Debian's "
-                "redis-server package for this test (apt-get install redis-server)"
-            )
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-                + ["--appendonly", "no", "--protected-mode", "no"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        while True:
-            try:
-                if self.command("PING") == "PONG":
-                    return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or deadline.passed:
-                raise RuntimeError(f"redis-server did not start: {self.log.read_text()[-800:]}")
-            time.sleep(0.1)
-
-    def command(self, *words: str) -> str | int:
-        """One RESP command; a simple string or an integer reply."""
-        msg = f"*{len(words)}\r\n" + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
-            s.sendall(msg.encode())
-            reply = s.recv(4096).decode()
-        kind, body = reply[0], reply[1:].split("\r\n", 1)[0]
-        if kind == ":":
-            return int(body)
-        if kind == "+":
-            return body
-        raise RuntimeError(f"redis answered {reply!r}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_group(self.proc, grace_s=5)
-
-
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "many-instances.md"
 
 
@@ -117,7 +62,7 @@ def documented_l2_adapter() -> dict[str, Any]:
     return dict(json.loads(m.group(1)))
 
 
-def l2_adapter(redis: Redis) -> list[str]:
+def l2_adapter(redis: RedisServer) -> list[str]:
     """LMCache's server flags for the shared Redis as L2: the documented
     adapter, with the test's own port."""
     return ["--l2-adapter", json.dumps({**documented_l2_adapter(), "port": redis.port})]
@@ -125,7 +70,7 @@ def l2_adapter(redis: Redis) -> list[str]:
 
 @contextmanager
 def instance(
-    name: str, model_dir: str, redis: Redis, tmp: Path, deadline: Deadline
+    name: str, model_dir: str, redis: RedisServer, tmp: Path, deadline: Deadline
 ) -> Iterator[tuple[Server, LMCacheServer]]:
     """One instance: its own LMCache MP server over the shared Redis, and a
     vLLM server running the README's quick start against it."""
@@ -177,7 +122,7 @@ def test_a_prefix_computed_on_one_instance_is_served_to_the_other_from_the_share
     deadline = Deadline(BUDGET_S)
     prompts = runs.prompts  # prompt i has prefix i % 2 (4 full blocks)
     prefix = WORKLOAD.prefix_tokens
-    redis = Redis(tmp_path / "redis.log").start(deadline)
+    redis = RedisServer(tmp_path / "redis.log").start()
     try:
         with (
             instance("a", model_dir, redis, tmp_path, deadline) as (a, _),
@@ -189,7 +134,7 @@ def test_a_prefix_computed_on_one_instance_is_served_to_the_other_from_the_share
                 first = complete(a, model, prompts[0], deadline)
                 assert first["token_ids"] == runs.base1.token_ids[0]
                 assert sum(by_child(first).values()) == 0, "nothing could have been cached yet"
-                while int(redis.command("DBSIZE")) < prefix // engine.CPU_BLOCK_SIZE:
+                while redis.keys() < prefix // engine.CPU_BLOCK_SIZE:
                     if deadline.passed:
                         raise AssertionError("A's LMCache never wrote the prefix to Redis")
                     time.sleep(0.2)
