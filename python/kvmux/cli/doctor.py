@@ -11,6 +11,11 @@ readable.
 ``--peer CONFIG`` checks a prefill/decode pair: ``CONFIG`` is the
 prefill's, ``--peer`` the decode's, and what NIXL needs the two to agree on
 (``kvmux.cli.pd_pair``) is compared before either instance starts.
+
+``--fleet INSTANCE`` (repeatable) checks instances that share KV through
+LMCache's distributed store: ``CONFIG`` and each ``--fleet`` are then
+instance files (``{"vllm_serve": ..., "lmcache_server": ...}``) and what
+LMCache's keys need them to agree on is compared (``kvmux.cli.fleet``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ __all__ = ["Report", "add_arguments", "diagnose", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "config", help="a --kv-transfer-config JSON string, or a path to a file holding one"
+        "config",
+        help="a --kv-transfer-config JSON string, or a path to a file holding one "
+        "(with --fleet: an instance file)",
     )
     p.add_argument(
         "--model",
@@ -42,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CONFIG",
         help="the decode instance's --kv-transfer-config (CONFIG is then the prefill's): "
         "check what NIXL needs both to agree on",
+    )
+    p.add_argument(
+        "--fleet",
+        metavar="INSTANCE",
+        action="append",
+        default=[],
+        help="another instance sharing KV through LMCache's L2 store (repeatable); CONFIG "
+        'and each INSTANCE are then instance files, JSON {"vllm_serve": "<vllm serve '
+        'command line>", "lmcache_server": "<LMCache MP server command line>", "host": '
+        '"<machine>" (optional)}: check what LMCache needs them to agree on',
     )
     p.add_argument(
         "--disable-hybrid-kv-cache-manager",
@@ -305,6 +322,16 @@ def _hma(
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "fleet", None):
+        if args.peer is not None or args.model or args.disable_hma or args.peer_disable_hma:
+            print(
+                "kvmux doctor: --fleet reads everything from the instance files' command "
+                "lines; drop --peer, --model and the --disable-hybrid-kv-cache-manager flags"
+            )
+            return 2
+        from kvmux.cli.fleet import run_fleet
+
+        return run_fleet(args)
     try:
         raw = _load(args.config)
     except (OSError, ValueError) as e:
