@@ -345,6 +345,6 @@ def test_the_docs_example_passes_with_the_output_shown(tmp_path: Path):
     assert js.returncode == 0, js.stdout + js.stderr[-2000:]
     rep = json.loads(js.stdout)
     assert rep["ok"] and rep["problems"] == [] and rep["warnings"] == []
-    assert [i["name"] if "name" in i else i["label"] for i in rep["instances"]] == ["A", "B"]
+    assert [i["label"] for i in rep["instances"]] == ["A", "B"]
     assert rep["instances"][1]["host"] == "node-b"
     assert rep["instances"][0]["report"]["connector"] == "KvmuxConnector"
