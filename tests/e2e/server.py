@@ -74,6 +74,10 @@ class Server:
         except Exception as exc:
             raise AssertionError(f"{exc}\n{self.tail()}") from exc
 
+    def wait_healthy(self, deadline: Deadline) -> None:
+        with self.shows_log():
+            wait_healthy(self, deadline)
+
     def post(self, path: str, deadline: Deadline, **kwargs: Any) -> httpx.Response:
         return httpx.post(self.base_url + path, timeout=deadline.left(30), **kwargs)
 
@@ -88,17 +92,20 @@ def serve(
     workdir: Path,
     deadline: Deadline,
     model_flags: tuple[str, ...] = (),
+    *,
+    wait: bool = True,
 ) -> Iterator[Server]:
     """Start the server on a free loopback port, wait until ``/health``
     answers (failing with the log tail if the process exits or the deadline
-    passes), yield it, and stop it whatever happened."""
+    passes), yield it, and stop it whatever happened. ``wait=False`` yields
+    it at once, to start several together (then :meth:`Server.wait_healthy`)."""
     port = free_port()
     log = workdir / "server.log"
     proc = start_api_server(model, model_flags, kv_transfer_config, log, port, cwd=workdir)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
-        with server.shows_log():
-            wait_healthy(server, deadline)
+        if wait:
+            server.wait_healthy(deadline)
         yield server
     finally:
         stop_group(proc)

@@ -28,6 +28,7 @@ from kvmux.cli import engine
 from tests.e2e.engine_runs import WORKLOAD, Runs
 from tests.lmcache_server import LMCacheServer
 from tests.readme_configs import (
+    ACROSS_INSTANCES,
     IN_THE_ENGINE,
     PD_CONFIGS,
     readme_configs,
@@ -42,7 +43,7 @@ LMCACHE = "LMCacheMPConnector"
 
 def test_every_readme_config_block_is_started_here():
     assert unmarked_blocks() == []
-    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS)
+    assert set(README) == set(IN_THE_ENGINE) | set(PD_CONFIGS) | set(ACROSS_INSTANCES)
 
 
 def test_the_demo_runs_the_readmes_no_service_example(tmp_path: Path):
