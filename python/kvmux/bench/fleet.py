@@ -269,6 +269,7 @@ def run(
         res["wall_s"] = time.perf_counter() - t
         res["redis_keys"] = keys
         res["routes"] = {f"{r.user}/{r.round}": r.instance for r in records}
+        res["ttft_ms_by_request"] = {f"{r.user}/{r.round}": 1e3 * r.ttft for r in records}
         res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
         report["systems"][name] = res
         progress(
