@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from kvmux.cli.fleet import (
     parse_instance,
 )
 from tests.readme_configs import ROOT, readme_configs, substitute
+from tests.test_doctor import doctor
 
 QUICKSTART = readme_configs()["quickstart"].config
 NO_SERVICE = readme_configs()["no-service"].config
@@ -97,15 +96,6 @@ def instance(
 
 def fleet(*instances: dict[str, Any]) -> FleetReport:
     return check_fleet([parse_instance(i["name"], i) for i in instances])
-
-
-def doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmux", "doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_the_documented_pair_shares_kv():

@@ -8,14 +8,13 @@ problem naming both sides and the fix, with exit status 1."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
 from kvmux.cli.doctor import diagnose, diagnose_pair
 from tests.readme_configs import PD_CONFIGS, readme_configs
+from tests.test_doctor import doctor
 
 README = readme_configs()
 NIXL_P = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
@@ -38,15 +37,6 @@ def mux(name: str, *children: dict[str, Any], role: str = "kv_producer") -> dict
 
 def pair(prefill: dict[str, Any], decode: dict[str, Any], **flags: bool) -> Any:
     return diagnose_pair(diagnose(prefill), prefill, decode, **flags)
-
-
-def doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmux", "doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 READMES_PAIRS = [

@@ -27,6 +27,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -66,27 +67,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--logs", metavar="DIR", help="keep the servers' logs in DIR")
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _workload(base: Any, args: argparse.Namespace, command: str) -> Any:
+    """``base`` (a ``ServeWorkload``) with the sizes given on the command line."""
     import dataclasses
+
+    given = {
+        "users": args.users,
+        "rounds": args.rounds,
+        "context_tokens": args.context_tokens,
+        "rate": args.rate,
+    }
+    try:
+        return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise SystemExit(f"bench {command}: {exc}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvmux.bench import serve
 
-    base = serve.QUICK if args.quick else serve.ServeWorkload()
-    changes = {
-        k: v
-        for k, v in {
-            "users": args.users,
-            "rounds": args.rounds,
-            "context_tokens": args.context_tokens,
-            "rate": args.rate,
-        }.items()
-        if v is not None
-    }
-    try:
-        work = dataclasses.replace(base, **changes)
-    except ValueError as exc:
-        raise SystemExit(f"bench serve: {exc}") from None
+    work = _workload(serve.QUICK if args.quick else serve.ServeWorkload(), args, "serve")
     import signal
 
     # SIGTERM unwinds like Ctrl-C: the servers started so far are stopped.
@@ -110,27 +112,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    import dataclasses
     import signal
     from pathlib import Path
 
     from kvmux.bench import fleet, serve
 
-    base = fleet.QUICK if args.quick else fleet.DEFAULT
-    changes = {
-        k: v
-        for k, v in {
-            "users": args.users,
-            "rounds": args.rounds,
-            "context_tokens": args.context_tokens,
-            "rate": args.rate,
-        }.items()
-        if v is not None
-    }
-    try:
-        work = dataclasses.replace(base, **changes)
-    except ValueError as exc:
-        raise SystemExit(f"bench fleet: {exc}") from None
+    work = _workload(fleet.QUICK if args.quick else fleet.DEFAULT, args, "fleet")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kwargs = {"progress": lambda _s: None} if args.no_progress else {}
     report = fleet.run(work, None, Path(args.logs) if args.logs else None, **kwargs)
