@@ -1,0 +1,268 @@
+//! The host tier's index's bindings (`crate::block_index`).
+
+use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use std::sync::{Mutex, MutexGuard};
+
+use super::repr;
+use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
+use crate::error::IndexError;
+
+/// The host tier's block index (see `block_index.rs`) behind one lock: every
+/// call is a whole request's or a whole step's worth of blocks.
+#[pyclass(frozen, name = "HostIndex", module = "kvmux._core")]
+pub struct PyHostIndex {
+    inner: Mutex<BlockIndex>,
+}
+
+/// A list of `bytes` keys, checked (and any Python code a bad key's `repr`
+/// runs, run) before the index is locked: no Python code ever runs under
+/// the index's lock, which it could re-enter.
+struct Keys<'py>(Vec<Bound<'py, PyBytes>>);
+
+impl<'py> Keys<'py> {
+    fn new(keys: &Bound<'py, PyList>) -> PyResult<Self> {
+        keys.iter()
+            .map(|k| {
+                k.cast_into::<PyBytes>().map_err(|e| {
+                    PyValueError::new_err(format!(
+                        "block keys must be bytes (vLLM block hashes), got {}",
+                        repr(e.into_inner().as_any())
+                    ))
+                })
+            })
+            .collect::<PyResult<_>>()
+            .map(Keys)
+    }
+
+    fn slices(&self) -> Vec<&[u8]> {
+        self.0.iter().map(|b| b.as_bytes()).collect()
+    }
+}
+
+impl PyHostIndex {
+    fn lock(&self) -> MutexGuard<'_, BlockIndex> {
+        // A panic while holding the lock cannot leave the index half-updated
+        // in a way later calls depend on more than `check()` reports.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The index locked, with `group` checked against its groups.
+    fn lock_group(&self, group: usize) -> PyResult<MutexGuard<'_, BlockIndex>> {
+        let ix = self.lock();
+        if group >= ix.num_groups() {
+            return Err(PyValueError::new_err(format!(
+                "group {group} out of range: the index has {} group(s)",
+                ix.num_groups()
+            )));
+        }
+        Ok(ix)
+    }
+}
+
+/// The answer of `HostIndex.servable_prefix`, in blocks.
+#[pyclass(frozen, get_all, name = "ServablePrefix", module = "kvmux._core")]
+pub struct PyServablePrefix {
+    /// The longest prefix every group can serve (`start` when none).
+    blocks: usize,
+    /// Where the full-attention groups' run of ready blocks ends.
+    prefix_blocks: usize,
+}
+
+impl From<ServablePrefix> for PyServablePrefix {
+    fn from(p: ServablePrefix) -> Self {
+        Self {
+            blocks: p.blocks,
+            prefix_blocks: p.prefix_blocks,
+        }
+    }
+}
+
+/// The answer of `HostIndex.reserve`: the slots reserved (Writing, pinned
+/// until `commit` or `abort`) and the positions in the keys they are for.
+#[pyclass(frozen, get_all, name = "Reservation", module = "kvmux._core")]
+pub struct PyReservation {
+    positions: Vec<usize>,
+    slots: Vec<u32>,
+}
+
+#[pymethods]
+impl PyReservation {
+    fn __repr__(&self) -> String {
+        format!(
+            "Reservation(positions={:?}, slots={:?})",
+            self.positions, self.slots
+        )
+    }
+}
+
+#[pymethods]
+impl PyServablePrefix {
+    fn __repr__(&self) -> String {
+        format!(
+            "ServablePrefix(blocks={}, prefix_blocks={})",
+            self.blocks, self.prefix_blocks
+        )
+    }
+}
+
+#[pymethods]
+impl PyHostIndex {
+    #[new]
+    #[pyo3(signature = (capacity, groups = 1))]
+    fn new(capacity: usize, groups: usize) -> PyResult<Self> {
+        let index = BlockIndex::with_groups(capacity, groups).map_err(|e| match e {
+            IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
+            _ => PyValueError::new_err(e.to_string()),
+        })?;
+        Ok(Self {
+            inner: Mutex::new(index),
+        })
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.lock().capacity()
+    }
+
+    #[getter]
+    fn groups(&self) -> usize {
+        self.lock().num_groups()
+    }
+
+    /// Number of leading blocks of `keys` whose `group` blocks are ready.
+    #[pyo3(signature = (keys, group = 0))]
+    fn longest_prefix(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<usize> {
+        let keys = Keys::new(keys)?;
+        let ix = self.lock_group(group)?;
+        Ok(ix.longest_prefix_in(group, &keys.slices()))
+    }
+
+    /// The longest prefix of `keys[:end]` every group can resume from, the
+    /// first `start` blocks being on the device already; `windows[g]` is
+    /// None for a full-attention group, the blocks it reads before the
+    /// resume point for a windowed one.
+    fn servable_prefix(
+        &self,
+        keys: &Bound<'_, PyList>,
+        start: usize,
+        end: usize,
+        windows: Vec<Option<usize>>,
+    ) -> PyResult<PyServablePrefix> {
+        let keys = Keys::new(keys)?;
+        let ix = self.lock();
+        if windows.len() != ix.num_groups() {
+            return Err(PyValueError::new_err(format!(
+                "servable_prefix needs one window per group ({}), got {}",
+                ix.num_groups(),
+                windows.len()
+            )));
+        }
+        let reach: Vec<Reach> = windows
+            .iter()
+            .map(|w| w.map_or(Reach::Prefix, Reach::Window))
+            .collect();
+        Ok(ix
+            .servable_prefix(&keys.slices(), start, end, &reach)
+            .into())
+    }
+
+    /// Pin the slots of `group`'s blocks of `keys` for a load (all must be
+    /// ready, else None).
+    #[pyo3(signature = (keys, group = 0))]
+    fn pin_ready(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<Option<Vec<u32>>> {
+        let keys = Keys::new(keys)?;
+        let mut ix = self.lock_group(group)?;
+        Ok(ix.pin_ready_in(group, &keys.slices()))
+    }
+
+    /// Reserve slots for `group`'s uncached blocks of `keys`.
+    #[pyo3(signature = (keys, group = 0))]
+    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<PyReservation> {
+        let keys = Keys::new(keys)?;
+        let mut ix = self.lock_group(group)?;
+        let (positions, slots) = ix.reserve_in(group, &keys.slices()).into_iter().unzip();
+        Ok(PyReservation { positions, slots })
+    }
+
+    fn commit(&self, slots: Vec<u32>) -> usize {
+        self.lock().commit(&slots)
+    }
+
+    fn abort(&self, slots: Vec<u32>) -> usize {
+        self.lock().abort(&slots)
+    }
+
+    fn unpin(&self, slots: Vec<u32>) {
+        self.lock().unpin(&slots)
+    }
+
+    fn clear_unpinned(&self) -> usize {
+        self.lock().clear_unpinned()
+    }
+
+    /// Raise RuntimeError naming the first broken invariant, if any.
+    fn check(&self) -> PyResult<()> {
+        self.lock()
+            .check()
+            .map_err(pyo3::exceptions::PyRuntimeError::new_err)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ix = self.lock();
+        let (free, writing, ready, pinned) = ix.occupancy();
+        let c = ix.counters();
+        let d = PyDict::new(py);
+        d.set_item("capacity", ix.capacity())?;
+        d.set_item("free", free)?;
+        d.set_item("writing", writing)?;
+        d.set_item("ready", ready)?;
+        d.set_item("pinned", pinned)?;
+        d.set_item("stored", c.stored)?;
+        d.set_item("evicted", c.evicted)?;
+        d.set_item("aborted", c.aborted)?;
+        Ok(d)
+    }
+
+    /// `(capacity, used, pinned, [used slots of each group])` now: O(groups),
+    /// for gauges read every scheduler step.
+    fn usage(&self) -> (usize, usize, usize, Vec<usize>) {
+        let u = self.lock().usage();
+        (u.capacity, u.used, u.pinned, u.group_used)
+    }
+
+    /// Per group: its `writing` and `ready` slots and its lifetime
+    /// `stored`, `evicted` and `aborted` blocks.
+    fn group_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let ix = self.lock();
+        (0..ix.num_groups())
+            .map(|g| {
+                let (writing, ready) = ix.group_occupancy(g);
+                let c = ix.group_counters(g);
+                let d = PyDict::new(py);
+                d.set_item("writing", writing)?;
+                d.set_item("ready", ready)?;
+                d.set_item("stored", c.stored)?;
+                d.set_item("evicted", c.evicted)?;
+                d.set_item("aborted", c.aborted)?;
+                Ok(d)
+            })
+            .collect()
+    }
+}
+
+/// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).
+#[pyfunction(name = "chain_token_hashes")]
+pub(crate) fn py_chain_token_hashes<'py>(
+    py: Python<'py>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    seed: &[u8],
+) -> Vec<Bound<'py, PyBytes>> {
+    chain_token_hashes(&tokens, block_size, seed)
+        .iter()
+        .map(|h| PyBytes::new(py, h))
+        .collect()
+}

@@ -1,0 +1,98 @@
+//! The only code that knows PyO3, one file per core module it converts
+//! for (`mux.rs` for `crate::mux`, `block_index.rs` for
+//! `crate::block_index`); this one holds the module and the error classes.
+//! It converts, and nothing else: Python answers of the children into the
+//! core's values, the core's answers and errors into Python objects and
+//! exceptions.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+use crate::merge::ClashPolicy;
+use crate::mux::{BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY};
+use crate::requests::{LoadPolicy, MAX_CHILDREN};
+use crate::stats::{CHILD_NAMES, TOTAL_NAMES};
+
+mod block_index;
+mod mux;
+
+use block_index::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
+use mux::PyMux;
+
+// ------------------------------------------------------------------ errors
+
+/// kvmux's Python exception classes, bound once by `kvmux.errors` at import
+/// (`_core.bind_errors`).
+pub(crate) struct ErrorTypes {
+    pub(crate) child: Py<PyType>,
+    pub(crate) clash: Py<PyType>,
+    pub(crate) config: Py<PyType>,
+}
+
+static ERRORS: PyOnceLock<ErrorTypes> = PyOnceLock::new();
+
+/// Called once by `kvmux.errors`: the classes the core's errors become.
+#[pyfunction]
+fn bind_errors(
+    py: Python<'_>,
+    child: Bound<'_, PyType>,
+    clash: Bound<'_, PyType>,
+    config: Bound<'_, PyType>,
+) {
+    let _ = ERRORS.set(
+        py,
+        ErrorTypes {
+            child: child.unbind(),
+            clash: clash.unbind(),
+            config: config.unbind(),
+        },
+    );
+}
+
+pub(crate) fn raise<'py, A>(py: Python<'py>, cls: fn(&ErrorTypes) -> &Py<PyType>, args: A) -> PyErr
+where
+    A: pyo3::call::PyCallArgs<'py>,
+{
+    let Some(types) = ERRORS.get(py) else {
+        return PyRuntimeError::new_err("kvmux._core used before kvmux.errors was imported");
+    };
+    match cls(types).bind(py).call1(args) {
+        Ok(e) => PyErr::from_value(e),
+        Err(e) => e,
+    }
+}
+
+/// `"TypeName: message"` of a Python exception.
+pub(crate) fn describe(py: Python<'_>, e: &PyErr) -> String {
+    let name = e
+        .get_type(py)
+        .name()
+        .map_or_else(|_| "Exception".to_owned(), |n| n.to_string());
+    format!("{name}: {}", e.value(py))
+}
+
+pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
+}
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyMux>()?;
+    m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
+    m.add_class::<PyHostIndex>()?;
+    m.add_class::<PyServablePrefix>()?;
+    m.add_class::<PyReservation>()?;
+    m.add_function(wrap_pyfunction!(py_chain_token_hashes, m)?)?;
+    m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
+    m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
+    m.add("MAX_CHILDREN", MAX_CHILDREN)?;
+    m.add("EXTRA_KEY", EXTRA_KEY)?;
+    m.add("BY_CHILD_KEY", BY_CHILD_KEY)?;
+    m.add("LOCAL_KEY", LOCAL_KEY)?;
+    m.add("CHILD_COUNTERS", CHILD_NAMES.to_vec())?;
+    m.add("TOTAL_COUNTERS", TOTAL_NAMES.to_vec())?;
+    Ok(())
+}
