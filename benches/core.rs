@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use kvmux_core::block_index::BlockIndex;
 use kvmux_core::error::ChildFault;
 use kvmux_core::merge::{merge, ClashPolicy, ValueEq};
-use kvmux_core::mux::{ChildFinish, Mux, Params, Want};
+use kvmux_core::mux::{ChildFinish, Params, SchedulerMux, Want};
 use kvmux_core::requests::{ChildMatch, LoadPolicy, RequestTable};
 
 const CHILDREN: usize = 3;
@@ -105,13 +105,13 @@ impl Params for NoParams {
     }
 }
 
-/// The Rust side of bench P1: `Mux`'s lookup (`first`, every child a
+/// The Rust side of bench P1: `SchedulerMux`'s lookup (`first`, every child a
 /// miss), allocation (0 tokens) and finish (no params, no async save) of
 /// each request over 3 children whose answers are constants, so the time
 /// is the multiplexer's own bookkeeping only.
 fn mux_lifecycle(c: &mut Criterion) {
     let names = (0..CHILDREN).map(|i| format!("c{i}")).collect();
-    let mux = Mux::new::<Never>(names, ClashPolicy::Error, LoadPolicy::First, 16)
+    let mux = SchedulerMux::new::<Never>(names, ClashPolicy::Error, LoadPolicy::First, 16)
         .expect("a valid multiplexer");
     let reqs = ids("req", REQUESTS);
     let miss = ChildMatch {

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from kvmux._core import HostIndex, Mux
+from kvmux._core import HostIndex, SchedulerMux, WorkerMux
 from tests.harness import mux_config, scripted
 
 REQUESTS_PER_EXAMPLE = 50
@@ -388,14 +388,18 @@ def test_python_threads_share_the_core_without_losing_a_count():
     completions and the host index, hammered from 4 Python threads (real
     parallelism on free-threaded CPython)."""
     hooks = {
-        "get_num_new_matched_tokens": [(True, lambda r, n: (16, False))] * 2,
-        "request_finished": [(True, lambda r, b: (False, {"t": 1})), (False, (False, None))],
+        "get_num_new_matched_tokens": [("works", lambda r, n: (16, False))] * 2,
+        "request_finished": [
+            ("works", lambda r, b: (False, {"t": 1})),
+            ("constant", (False, None)),
+        ],
     }
-    core = Mux(["a", "b"], "error", "longest", 16, hooks, [False, False], logging.getLogger(), "")
+    children = [(name, False, None, None, None) for name in ("a", "b")]
+    core = SchedulerMux(children, "error", "longest", 16, hooks, "", logging.getLogger())
     # A worker's side of 8 children that all save every request; thread t
     # reports as children 2t and 2t + 1, 50 times over (49 duplicates each).
     names = [f"c{i}" for i in range(8)]
-    worker = Mux(names, "error", "first", 16, {}, [False] * 8, logging.getLogger(), "")
+    worker = WorkerMux(names, [None] * 8)
     index = HostIndex(64)
     ids = [f"q{i}" for i in range(32)]
     reqs = [_Req(rid) for rid in ids]

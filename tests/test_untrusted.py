@@ -217,23 +217,20 @@ def test_a_cooldown_past_the_clocks_range_opens_the_breaker_without_panicking():
     import logging
     from types import SimpleNamespace
 
-    from kvmux._core import Mux
+    from kvmux._core import SchedulerMux
 
     def lookup(request, num_computed_tokens):
         raise RuntimeError("cache server gone")
 
-    mux = Mux(
-        ["flaky"],
+    mux = SchedulerMux(
+        # ms: 3e11 years, past what an Instant holds
+        [("flaky", False, None, None, (1, 1e22, 1e22))],
         "error",
         "first",
         16,
-        {"get_num_new_matched_tokens": [(True, lookup)]},
-        [False],
-        logging.getLogger("kvmux.test"),
+        {"get_num_new_matched_tokens": [("works", lookup)]},
         "",
-        None,
-        [None],
-        [(1, 1e22, 1e22)],  # ms: 3e11 years, past what an Instant holds
+        logging.getLogger("kvmux.test"),
     )
     assert mux.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (0, False)
     assert mux.stats()["breakers"] == {"flaky": "open"}

@@ -14,13 +14,16 @@ __all__ = [
     "LOAD_POLICIES",
     "LOCAL_KEY",
     "MAX_CHILDREN",
+    "SCHEDULER_HOOKS",
     "TOTAL_COUNTERS",
     "HostIndex",
-    "Mux",
     "Reservation",
+    "SchedulerMux",
     "ServablePrefix",
+    "WorkerMux",
     "bind_errors",
     "chain_token_hashes",
+    "fan_out",
 ]
 
 CLASH_POLICIES: list[str]
@@ -38,38 +41,42 @@ of the stats keys, the Prometheus table and the README's metric list)."""
 TOTAL_COUNTERS: list[str]
 """Names of kvmux's multiplexer-wide counters, in the core's order."""
 
+SCHEDULER_HOOKS: list[str]
+"""vLLM's scheduler hooks that are :class:`SchedulerMux`'s own methods (the
+one table the connector's declarations and this stub are checked against)."""
+
+def fan_out(facts: list[tuple[str, Any] | None]) -> tuple[list[int], list[Any]]:
+    """The core's fan-out rule for one hook kvmux calls from Python: from
+    each child's fact (None: it lacks the hook; ``("constant", answer)``;
+    ``("works", bound method)``), ``(indices of the children to call, every
+    child's constant answer)``."""
 @final
-class Mux:
-    """The multiplexer (``rust/mux.rs``) over its children's hooks. On the
-    scheduler side its hook methods are bound on the connector instance:
-    vLLM's call goes straight into Rust."""
+class SchedulerMux:
+    """The scheduler side of the multiplexer (``rust/mux/scheduler.rs``)
+    over its children's hooks. Its methods named in :data:`SCHEDULER_HOOKS`
+    are the connector's: vLLM's call goes straight into Rust."""
 
     def __new__(
         cls,
-        names: list[str],
+        children: list[
+            tuple[str, bool, float | None, float | None, tuple[int, float, float] | None]
+        ],
         clash_policy: str,
         load_policy: str,
         block_size: int,
-        hooks: dict[str, list[tuple[bool, Any]]],
-        hma: list[bool],
-        logger: Any,
+        hooks: dict[str, list[tuple[str, Any] | None]],
         hma_fix: str,
-        glue: dict[str, Any] | None = None,
-        lookup_timeouts_ms: list[float | None] | None = None,
-        breakers: list[tuple[int, float, float] | None] | None = None,
-        load_timeouts_ms: list[float | None] | None = None,
+        logger: Any,
+        stats_every_s: float = 1.0,
     ) -> Self:
-        """``hooks``: hook name -> per child ``(True, bound method)`` to call
-        it or ``(False, its constant answer)``; a hook left out is answered by
-        every child with vLLM's default. ``hma[i]``: child i supports HMA.
-        ``logger`` gets the clash and containment warnings; ``hma_fix`` is
-        the fix named when a multi-group request meets a non-HMA child;
-        ``glue`` (scheduler side) holds ``metadata``, ``worker_metadata``,
-        ``stats`` and ``stats_every_s`` for the per-step hooks;
-        ``lookup_timeouts_ms[i]``: child i's lookup deadline (None: none);
-        ``breakers[i]``: child i's breaker ``(failures, cooldown_ms,
-        max_cooldown_ms)`` (None: none); ``load_timeouts_ms[i]``: child i's
-        async load deadline (None: none)."""
+        """``children``: per child ``(name, supports_hma, lookup_timeout_ms,
+        load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
+        (None: no deadline, no breaker); ``hooks``: hook name -> each
+        child's fact (see :func:`fan_out`), a hook left out answered by
+        every child with vLLM's default; ``hma_fix``: the fix named when a
+        multi-group request meets a non-HMA child; ``logger`` gets the
+        core's notices (containment, breakers, clashes); the counters reach
+        vLLM at most once per ``stats_every_s`` and when idle."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -87,6 +94,27 @@ class Mux:
     def register_finished_partial_tail(
         self, request: Any, block_ids: Any, partial_tail_offloads: Any
     ) -> bool: ...
+    def on_new_request(self, request: Any) -> None: ...
+    def build_connector_meta(
+        self, scheduler_output: Any
+    ) -> tuple[
+        tuple[Any, ...],
+        dict[str, tuple[int, int]] | None,
+        dict[str, int] | None,
+        dict[str, list[int]] | None,
+    ]:
+        """vLLM's hook, as data: ``(children's metadata, saves, loads,
+        load_blocks)``, the completions the workers wait for (the connector
+        makes ``KvmuxMetadata`` of it)."""
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's hook: failed loads stop counting as loaded; each child sees
+        its own entry of the workers' metadata."""
+    def get_kv_connector_stats(self) -> tuple[tuple[Any, ...], dict[str, Any] | None] | None:
+        """vLLM's hook, as data: ``(child stats, counters)``, the counters at
+        most once per ``stats_every_s`` and when idle, and at once when a
+        breaker changed state (``counters["breaker_state"]``: child name ->
+        0 closed, 1 half open, 2 open); None if quiet (the connector makes
+        ``KvmuxStats`` of it)."""
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
     def hit_sources(
@@ -102,62 +130,59 @@ class Mux:
     def joined_requests(self) -> int:
         """Requests aborted while waiting for their asynchronous load beside
         an asynchronous save, whose last completion vLLM still waits for."""
-    def on_new_request(self, request: Any) -> None: ...
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """vLLM's hook: ``glue["metadata"](children's metadata, saves,
-        loads, load_blocks)``, the completions the workers wait for."""
-    def update_connector_output(self, connector_output: Any) -> None:
-        """vLLM's hook: failed loads stop counting as loaded; each child sees
-        its own slice of the workers' metadata."""
-    def get_kv_connector_stats(self) -> Any:
-        """vLLM's hook: ``glue["stats"](names, child stats, counters)`` at most
-        once per ``glue["stats_every_s"]`` and when idle, and at once when a
-        breaker changed state (``counters["breaker_state"]``: child name ->
-        0 closed, 1 half open, 2 open); None if quiet."""
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters plus ``live_requests`` and ``breakers``
+        (child name -> ``"closed"``, ``"open"`` or ``"half_open"``, for the
+        children that have one)."""
+    def __len__(self) -> int: ...
+
+@final
+class WorkerMux:
+    """The worker side of the multiplexer (``rust/mux/worker.rs``): the
+    completions the workers wait for, with each child's identity, and the
+    worker's counters."""
+
+    def __new__(cls, names: list[str], load_timeouts_ms: list[float | None]) -> Self:
+        """``load_timeouts_ms[i]``: child i's async load deadline (None: none)."""
     def expect(
         self,
         saves: dict[str, tuple[int, int]] | None = None,
         loads: dict[str, int] | None = None,
         load_blocks: dict[str, list[int]] | None = None,
     ) -> None:
-        """Worker side: the completions the metadata announces (``saves``:
-        request id -> (bit set of the saving children, completions needed);
-        ``loads``: request id -> bit set of the async loaders;
-        ``load_blocks``: request id -> the blocks a load by a child with a
-        load deadline writes, reported as load errors if it misses it)."""
+        """The completions the metadata announces (``saves``: request id ->
+        (bit set of the saving children, completions needed); ``loads``:
+        request id -> bit set of the async loaders; ``load_blocks``: request
+        id -> the blocks a load by a child with a load deadline writes,
+        reported as load errors if it misses it)."""
     def complete_sends(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
-        """Worker side: each child's finished-sending ids (config order) ->
-        the requests finished sending now; strays dropped and counted."""
+        """Each child's finished-sending ids (config order) -> the requests
+        finished sending now; strays dropped and counted."""
     def complete_recvs(self, per_child: Iterable[Iterable[str] | None]) -> set[str]:
-        """Worker side (vLLM without ``get_transfer_results``): each child's
-        finished receiving ids -> the requests every async loader has
-        reported, and those whose load missed a child's load deadline
-        (their blocks: :meth:`take_timed_out_blocks`); strays dropped and
-        counted."""
+        """(vLLM without ``get_transfer_results``) each child's finished
+        receiving ids -> the requests every async loader has reported, and
+        those whose load missed a child's load deadline (their blocks:
+        :meth:`take_timed_out_blocks`); strays dropped and counted."""
     def take_timed_out_blocks(self) -> list[int]:
-        """Worker side: blocks of loads that missed their load deadline
-        since the last call."""
+        """Blocks of loads that missed their load deadline since the last
+        call."""
     def complete_recv_results(
         self, per_child: Iterable[tuple[Iterable[str] | None, Iterable[str] | None]]
     ) -> tuple[set[str], set[str]]:
-        """Worker side: each child's ``(finished_recving, failed_recving)``
-        -> ``(finished, failed)``: the requests every async loader has
-        reported, and those of them one of whose loaders failed or missed
-        its load deadline (in both).
-        A failed id is one completion of its child, listed in both sets or
-        in ``failed_recving`` only; strays dropped and counted."""
+        """Each child's ``(finished_recving, failed_recving)`` -> ``(finished,
+        failed)``: the requests every async loader has reported, and those of
+        them one of whose loaders failed or missed its load deadline (in
+        both). A failed id is one completion of its child, listed in both
+        sets or in ``failed_recving`` only; strays dropped and counted."""
     def pending_sends(self) -> int: ...
     def pending_recvs(self) -> int: ...
     def count_load_failures(self, blocks: int) -> None: ...
     def stats(self) -> dict[str, Any]:
-        """Cumulative counters plus ``live_requests`` and ``breakers``
-        (child name -> ``"closed"``, ``"open"`` or ``"half_open"``, for the
-        children that have one)."""
-    def take_interval(self, every_s: float = 0.0) -> dict[str, Any] | None:
-        """Counters changed since the previous take (nested, no zeros,
-        ``clashes`` by policy); None when nothing changed. With ``every_s``,
-        only once that many seconds passed or when no request is live."""
-    def __len__(self) -> int: ...
+        """Cumulative counters plus ``live_requests`` (0) and ``breakers``
+        (empty): a worker holds neither."""
+    def take_interval(self) -> dict[str, Any] | None:
+        """Counters changed since the previous take (nested, no zeros); None
+        when nothing changed."""
 
 def bind_errors(child: type[Exception], clash: type[Exception], config: type[Exception]) -> None:
     """Called once by ``kvmux.errors``: the exception classes the core raises."""

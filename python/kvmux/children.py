@@ -1,12 +1,13 @@
 """The children of one kvmux connector, and how a hook fans out to them.
 
 :class:`Children` owns the child connectors (built in config order, with the
-role of their parent), their names, and for every hook a *plan*: which
-children must be called, and the constant answer of those that need not be.
-A child whose hook only returns a constant (vLLM's base-class defaults,
-``pass``, ``return 0, False``) is never called for it: its answer is known
-(see :func:`kvmux._fanout.constant_answer`). That is most hooks of most
-children, and the multiplexer runs in every scheduler step.
+role of their parent), their names, and for every hook the *facts* of each
+child's: it lacks the hook, the hook only returns a constant (vLLM's
+base-class defaults, ``pass``, ``return 0, False``: see
+:func:`kvmux._fanout.constant_answer`), or it does something. Who is called
+is the core's rule (``rust/mux/plan.rs``): the Rust multiplexer takes the
+facts of its hooks, and :meth:`Children.plan` asks the same rule
+(``_core.fan_out``) for the hooks kvmux calls from Python.
 
 Every call it makes names the child when the child raises
 (:class:`~kvmux.errors.KvmuxChildError`, chained to the child's error).
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvmux._core import fan_out
 from kvmux._fanout import constant_answer, layer_hook
 from kvmux.config import MuxConfig
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
@@ -32,7 +34,12 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["Children", "Plan"]
+__all__ = ["Children", "Fact", "Plan"]
+
+#: What kvmux knows of one child's hook: None (the child lacks it),
+#: ``("constant", answer)`` (its body only returns ``answer``) or
+#: ``("works", bound method)``.
+Fact = tuple[str, Any] | None
 
 logger = logging.getLogger("kvmux")
 
@@ -91,46 +98,40 @@ class Children:
 
     # ------------------------------------------------------------- plans
 
+    def facts(self, hook: str) -> list[Fact]:
+        """What kvmux knows of each child's ``hook``, in config order (see
+        :data:`Fact`); a child's ``update_connector_output`` sees its own
+        events container when children send KV events from their workers
+        (:func:`kvmux.events.own_worker_events`)."""
+        out: list[Fact] = []
+        for child in self.connectors:
+            fn = getattr(child, hook, None)
+            if fn is None:  # e.g. request_finished_all_groups of a child without HMA
+                out.append(None)
+                continue
+            const, value = constant_answer(fn)
+            out.append(("constant", value) if const else ("works", fn))
+        if (
+            hook == "update_connector_output"
+            and self.plan("get_kv_connector_kv_cache_events").active
+        ):
+            out = [
+                ("works", own_worker_events(i, f[1])) if f is not None and f[0] == "works" else f
+                for i, f in enumerate(out)
+            ]
+        return out
+
     def plan(self, hook: str) -> Plan:
-        """How to fan ``hook`` out, decided on first use and kept (the
-        children do not change)."""
+        """How to fan ``hook`` out, decided by the core's rule on first use
+        and kept (the children do not change)."""
         plan = self._plans.get(hook)
         if plan is not None:
             return plan
-        answers: list[Any] = []
-        active = []
-        for i, child in enumerate(self.connectors):
-            fn = getattr(child, hook, None)
-            if fn is None:  # e.g. request_finished_all_groups of a child without HMA
-                answers.append(None)
-                continue
-            const, value = constant_answer(fn)
-            answers.append(value)
-            if not const:
-                active.append((i, fn))
-        plan = Plan(tuple(answers), tuple(active))
-        if hook == "update_connector_output":
-            plan = self._with_own_worker_events(plan)
+        facts = self.facts(hook)
+        active, answers = fan_out(facts)
+        plan = Plan(tuple(answers), tuple((i, facts[i][1]) for i in active))  # type: ignore[index]
         self._plans[hook] = plan
         return plan
-
-    def _with_own_worker_events(self, plan: Plan) -> Plan:
-        """When a child sends KV events from its workers, each child's
-        ``update_connector_output`` sees its own events container in the
-        workers' output, not kvmux's (:func:`kvmux.events.own_worker_events`)."""
-        if not self.plan("get_kv_connector_kv_cache_events").active:
-            return plan
-        return Plan(plan.answers, tuple((i, own_worker_events(i, fn)) for i, fn in plan.active))
-
-    def core_plan(self, hook: str) -> list[tuple[bool, Any]]:
-        """``hook``'s plan as the Rust core takes it: per child ``(True,
-        bound method)`` to call it, or ``(False, constant answer)``."""
-        plan = self.plan(hook)
-        active = dict(plan.active)
-        return [
-            (True, active[i]) if i in active else (False, plan.answers[i])
-            for i in range(len(self.connectors))
-        ]
 
     def active(self, hook: str) -> tuple[int, ...]:
         """Indices of the children whose ``hook`` does something."""

@@ -6,10 +6,12 @@ builds the children for its role and then either the scheduler side
 every live request's state) or the worker side
 (:class:`kvmux.worker.MuxWorker`). Every hook of vLLM's connector interface
 is declared below with its contract, in the order of vLLM's
-``multi_connector.py``. The scheduler's per-request hooks are bound on the
-instance to the Rust multiplexer's methods (vLLM's call goes straight into
-Rust), and the per-layer hooks to the one child that does something; the
-methods below are what the class itself offers for them.
+``multi_connector.py``. The scheduler hooks the Rust multiplexer runs
+(``kvmux._core.SCHEDULER_HOOKS``) are its methods: declared here as
+:class:`~kvmux._hooks.SchedulerHook` (vLLM's call goes straight into Rust),
+or, where vLLM wants a Python object back (metadata, stats), a method that
+builds it from the Rust answer. The per-layer hooks are
+:class:`~kvmux._hooks.LayerHook`: the one child that does something.
 
 What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 
@@ -45,13 +47,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
+from kvmux._hooks import LayerHook, SchedulerHook, WrongRole
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
 from kvmux.events import KvmuxKVEvents
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.scheduler import CORE_HOOKS, MuxScheduler
-from kvmux.stats import KvmuxStats
+from kvmux.scheduler import MuxScheduler
+from kvmux.stats import KvmuxStats, build_child_stats
 from kvmux.worker import MuxWorker
 
 if TYPE_CHECKING:
@@ -61,10 +64,9 @@ if TYPE_CHECKING:
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KvmuxConnector"]
@@ -75,10 +77,6 @@ def _parse_from_vllm_config(vllm_config: VllmConfig) -> MuxConfig:
     if ktc is None:
         raise KvmuxConfigError("vllm_config.kv_transfer_config is not set")
     return parse_mux_config(ktc)
-
-
-def _no_events() -> tuple[()]:
-    return ()
 
 
 class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -108,24 +106,14 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         self._children = Children(cfg, vllm_config, role, kv_cache_config)
         self._scheduler: MuxScheduler | None = None
         self._worker: MuxWorker | None = None
-        fast: dict[str, Callable[..., Any]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = MuxScheduler(cfg, self._children, vllm_config)
-            # vLLM's per-request and per-step calls go straight into the Rust
-            # multiplexer: its methods of the same names (scheduler.CORE_HOOKS).
-            mux = self._scheduler.mux
-            fast.update({hook: getattr(mux, hook) for hook in CORE_HOOKS})
-            if self._children.silent("take_events"):
-                fast["take_events"] = _no_events
+            #: The Rust multiplexer whose methods are the scheduler hooks.
+            self._scheduler_mux: Any = self._scheduler.mux
         else:
-            self._worker = MuxWorker(cfg, self._children, vllm_config)
-        # Per-layer hot path: only children whose hook does something.
-        fast["wait_for_layer_load"] = self._children.layer_hook("wait_for_layer_load")
-        fast["save_kv_layer"] = self._children.layer_hook("save_kv_layer")
-        # Instance attributes shadow the methods of the same name below,
-        # which keep the contracts (and serve calls made through the class).
-        for name, fn in fast.items():
-            setattr(self, name, fn)
+            self._worker = MuxWorker(cfg, self._children)
+            self._scheduler_mux = WrongRole("scheduler", "worker", "the scheduler's connector")
+        self._events_silent = self._children.silent("take_events")
 
     def _sched(self, hook: str) -> MuxScheduler:
         if self._scheduler is None:
@@ -311,25 +299,15 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """Every child starts its loads for the step."""
         self._children.each("start_load_kv", forward_context, **kwargs)
 
-    # wait_for_layer_load and save_kv_layer are bound per instance in
-    # __init__ to the children whose hook does something (one child: its own
-    # bound method, no wrapper frame). On that path a child's exception
-    # reaches vLLM as the child raised it, not as KvmuxChildError: naming it
-    # would cost a frame per layer per step. The methods here are the class's
-    # own (used when the instance's are not).
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Every child waits for ``layer_name``'s load."""
-        for i in range(len(self._children)):
-            self._children.call_one(i, "wait_for_layer_load", layer_name)
+    wait_for_layer_load = LayerHook(
+        """Every child whose hook does something waits for ``layer_name``'s
+        load: ``wait_for_layer_load(layer_name)``."""
+    )
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        """Every child gets ``layer_name``'s KV to save."""
-        for i in range(len(self._children)):
-            self._children.call_one(
-                i, "save_kv_layer", layer_name, kv_layer, attn_metadata, **kwargs
-            )
+    save_kv_layer = LayerHook(
+        """Every child whose hook does something gets ``layer_name``'s KV to
+        save: ``save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)``."""
+    )
 
     def wait_for_save(self) -> None:
         self._children.each("wait_for_save")
@@ -378,9 +356,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """Stats of the last interval: kvmux's own counters and each child's,
         by child name (on either side; the scheduler's counters at most once
         a second and when idle, see ``kvmux.scheduler.STATS_EVERY_S``)."""
-        if self._scheduler is not None:
-            return self._scheduler.mux.get_kv_connector_stats()
-        return self._work("get_kv_connector_stats").get_kv_connector_stats()
+        if self._scheduler is None:
+            return self._work("get_kv_connector_stats").get_kv_connector_stats()
+        got = self._scheduler_mux.get_kv_connector_stats()
+        return None if got is None else build_child_stats(self._children.names, *got)
 
     def shutdown(self) -> None:
         """Every child is shut down, even when one fails (the first error
@@ -389,23 +368,17 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ===================================================== scheduler side
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        """Ask every child; ``None`` while any child is not ready. The loading
-        child is chosen by ``load_policy`` and remembered for the request.
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        mux = self._sched("get_num_new_matched_tokens").mux
-        return mux.get_num_new_matched_tokens(request, num_computed_tokens)
+    get_num_new_matched_tokens = SchedulerHook(
+        """``(request, num_computed_tokens) -> (int | None, bool)``: ask every
+        child; ``None`` while any child is not ready. The loading child is
+        chosen by ``load_policy`` and remembered for the request."""
+    )
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        """The chosen child gets ``num_external_tokens``, the others 0; all
-        get the request's real blocks (as vLLM's MultiConnector does).
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        mux = self._sched("update_state_after_alloc").mux
-        mux.update_state_after_alloc(request, blocks, num_external_tokens)
+    update_state_after_alloc = SchedulerHook(
+        """``(request, blocks, num_external_tokens)``: the chosen child gets
+        ``num_external_tokens``, the others 0; all get the request's real
+        blocks (as vLLM's MultiConnector does)."""
+    )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -434,58 +407,47 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._children.each("bind_gpu_block_pool", gpu_block_pool)
 
-    def on_new_request(self, request: Request) -> None:
-        """Every child whose hook does something hears of the request.
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        self._sched("on_new_request").mux.on_new_request(request)
+    on_new_request = SchedulerHook(
+        """``(request)``: every child whose hook does something hears of the
+        request."""
+    )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvmuxMetadata:
         """Each child's metadata, plus what the workers must know of the
         requests that finished (extra async saves, dropped completions)."""
-        return self._sched("build_connector_meta").mux.build_connector_meta(scheduler_output)
+        return KvmuxMetadata(*self._scheduler_mux.build_connector_meta(scheduler_output))
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Each child sees its own slice of the workers' metadata. Loads the
-        workers report failed (``invalid_block_ids``, ``failed_recving``) stop
-        counting in ``num_extra_cached_tokens``; vLLM handles the requests.
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        self._sched("update_connector_output").mux.update_connector_output(connector_output)
+    update_connector_output = SchedulerHook(
+        """``(connector_output)``: each child sees its own slice of the
+        workers' metadata. Loads the workers report failed
+        (``invalid_block_ids``, ``failed_recving``) stop counting in
+        ``num_extra_cached_tokens``; vLLM handles the requests."""
+    )
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Every child's ``request_finished``; async if any child saves
-        asynchronously, params merged under ``clash_policy``; a failure of a
-        child that never took part in the request is contained.
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        return self._sched("request_finished").mux.request_finished(request, block_ids)
+    request_finished = SchedulerHook(
+        """``(request, block_ids) -> (bool, dict | None)``: every child's
+        ``request_finished``; async if any child saves asynchronously, params
+        merged under ``clash_policy``; a failure of a child that never took
+        part in the request is contained."""
+    )
 
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's finish for an HMA connector (kvmux is one), with the
+    request_finished_all_groups = SchedulerHook(
+        """``(request, block_ids: tuple[list[int], ...]) -> (bool, dict |
+        None)``: vLLM's finish for an HMA connector (kvmux is one), with the
         request's blocks per KV cache group. A child with HMA support gets
         every group (``request_finished_all_groups``); a child without gets
-        ``request_finished`` with the one group's blocks, which are all of the
-        request's blocks. Several groups with such a child raise
+        ``request_finished`` with the one group's blocks, which are all of
+        the request's blocks. Several groups with such a child raise
         :class:`KvmuxConfigError` naming them (never silently truncated; the
-        constructor already refuses that model unless HMA is off).
-        (Bound to the Rust multiplexer's method on the instance.)"""
-        mux = self._sched("request_finished_all_groups").mux
-        return mux.request_finished_all_groups(request, block_ids)
+        constructor already refuses that model unless HMA is off)."""
+    )
 
-    def register_finished_partial_tail(
-        self,
-        request: Request,
-        block_ids: tuple[list[int], ...],
-        partial_tail_offloads: list[tuple[int, int, int]],
-    ) -> bool:
-        """True when any child keeps the request's blocks for a partial tail.
-        Called on a request's way out, so a child that never took part in the
-        request and fails is contained. (Bound to the Rust multiplexer's
-        method on the instance.)"""
-        mux = self._sched("register_finished_partial_tail").mux
-        return mux.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+    register_finished_partial_tail = SchedulerHook(
+        """``(request, block_ids, partial_tail_offloads) -> bool``: true when
+        any child keeps the request's blocks for a partial tail. Called on a
+        request's way out, so a child that never took part in the request and
+        fails is contained."""
+    )
 
     def take_events(self) -> Iterable[Any]:
         """Every child's KV cache events, in config order, each labelled with
@@ -493,6 +455,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         ``name/ownership`` when the child set one), identical repeats with
         nothing between them that changed their blocks dropped (see
         ``kvmux.events``). vLLM publishes them with its own GPU events."""
+        if self._events_silent:
+            return ()
         return self._children.take_events()
 
     def has_pending_block_frees(self) -> bool:

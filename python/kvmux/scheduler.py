@@ -1,12 +1,12 @@
 """The scheduler side of :class:`~kvmux.connector.KvmuxConnector`.
 
 :class:`MuxScheduler` owns the children (built for the scheduler role) and
-the Rust multiplexer (:class:`kvmux._core.Mux`) that holds every live
-request's state. The per-request hooks (lookup, allocation, finish, partial
-tail) are methods of the Rust object itself: the connector binds them on
-its instance, so vLLM's call goes straight into Rust, which calls the
-children that matter. The per-step hooks that build Python objects for
-vLLM (metadata, stats) are here.
+the Rust multiplexer (:class:`kvmux._core.SchedulerMux`) that holds every
+live request's state. vLLM's scheduler hooks named in
+``kvmux._core.SCHEDULER_HOOKS`` are the Rust object's own methods: the
+connector resolves them there (:class:`kvmux._hooks.SchedulerHook`), so
+vLLM's call goes straight into Rust, which calls the children that matter.
+The hooks the Rust core does not run (hit sources, loaded groups) are here.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvmux._core import Mux
+from kvmux._core import SCHEDULER_HOOKS, SchedulerMux
 from kvmux._versions import CacheHitSource
 from kvmux.children import Children
 from kvmux.config import HMA_FIX, MuxConfig
-from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import build_child_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
-__all__ = ["CORE_HOOKS", "STATS_EVERY_S", "MuxScheduler", "build_mux", "own_source"]
+__all__ = ["STATS_EVERY_S", "MuxScheduler", "own_source"]
 
 logger = logging.getLogger("kvmux")
 
@@ -36,57 +34,37 @@ logger = logging.getLogger("kvmux")
 #: last ones are reported when it ends). vLLM logs every 5-10 s.
 STATS_EVERY_S = 1.0
 
-#: The hooks the Rust multiplexer runs: it calls these of the children, and
-#: its methods of the same names are the scheduler-side connector's.
-CORE_HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "request_finished",
-    "request_finished_all_groups",
-    "register_finished_partial_tail",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "get_kv_connector_stats",
-)
-
-
-def build_mux(cfg: MuxConfig, children: Children, block_size: int, *, hooks: bool) -> Mux:
-    """The Rust multiplexer over ``children``; with ``hooks``, it calls the
-    children's per-request hooks (scheduler side); without, it only keeps
-    the counters (worker side)."""
-    return Mux(
-        list(children.names),
-        cfg.clash_policy,
-        cfg.load_policy,
-        block_size,
-        {h: children.core_plan(h) for h in CORE_HOOKS} if hooks else {},
-        [spec.supports_hma for spec in cfg.children],
-        logger,
-        HMA_FIX,
-        {
-            "metadata": KvmuxMetadata,
-            "worker_metadata": KvmuxWorkerMetadata,
-            "stats": build_child_stats,
-            "stats_every_s": STATS_EVERY_S,
-        }
-        if hooks
-        else None,
-        [spec.lookup_timeout_ms for spec in cfg.children],
-        [
-            None if b is None else (b.failures, b.cooldown_ms, b.max_cooldown_ms)
-            for b in (spec.breaker for spec in cfg.children)
-        ],
-        [spec.load_timeout_ms for spec in cfg.children],
-    )
-
 
 class MuxScheduler:
     """kvmux's scheduler-side state: the Rust multiplexer and the children."""
 
     def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
         self.children = children
-        self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=True)
+        self.mux = SchedulerMux(
+            [
+                (
+                    spec.name,
+                    spec.supports_hma,
+                    spec.lookup_timeout_ms,
+                    spec.load_timeout_ms,
+                    None
+                    if spec.breaker is None
+                    else (
+                        spec.breaker.failures,
+                        spec.breaker.cooldown_ms,
+                        spec.breaker.max_cooldown_ms,
+                    ),
+                )
+                for spec in cfg.children
+            ],
+            cfg.clash_policy,
+            cfg.load_policy,
+            vllm_config.cache_config.block_size,
+            {hook: children.facts(hook) for hook in SCHEDULER_HOOKS},
+            HMA_FIX,
+            logger,
+            STATS_EVERY_S,
+        )
         #: Each child's own hit source (``_cache_hit_source``), by value.
         self.own_sources = [own_source(c) for c in children.connectors]
 

@@ -2,7 +2,7 @@
 
 :class:`MuxWorker` owns the children (built for the worker role) and the
 completions the workers wait for, each with its child's identity (the Rust
-``Mux``'s worker side, ``rust/completions.rs``): a request saved by k
+``WorkerMux``, ``rust/mux/worker.rs`` over ``rust/completions.rs``): a request saved by k
 children is finished sending once each of the k reported it, a load is
 finished when the loading child reports it, and a completion from a child
 that owed none (a duplicate, a stray, one of a child whose failure on the
@@ -19,26 +19,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvmux import _versions
+from kvmux._core import WorkerMux
 from kvmux.children import Children
 from kvmux.config import MuxConfig
 from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.scheduler import build_mux
 from kvmux.stats import KvmuxStats, build_child_stats
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 __all__ = ["MuxWorker"]
 
 
 class MuxWorker:
-    """kvmux's worker-side state: the children, and the Rust ``Mux`` that
-    tracks the completions and keeps the worker's counters."""
+    """kvmux's worker-side state: the children, and the Rust ``WorkerMux``
+    that tracks the completions and keeps the worker's counters."""
 
-    def __init__(self, cfg: MuxConfig, children: Children, vllm_config: VllmConfig) -> None:
+    def __init__(self, cfg: MuxConfig, children: Children) -> None:
         self.children = children
-        self.mux = build_mux(cfg, children, vllm_config.cache_config.block_size, hooks=False)
+        self.mux = WorkerMux(list(children.names), [spec.load_timeout_ms for spec in cfg.children])
 
     def own_metadata(self, meta: KVConnectorMetadata) -> KvmuxMetadata:
         if not isinstance(meta, KvmuxMetadata) or len(meta.children) != len(self.children):

@@ -19,7 +19,7 @@ mod block_index;
 mod mux;
 
 use block_index::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
-use mux::PyMux;
+use mux::{fan_out, PySchedulerMux, PyWorkerMux};
 
 // ------------------------------------------------------------------ errors
 
@@ -64,15 +64,6 @@ where
     }
 }
 
-/// `"TypeName: message"` of a Python exception.
-pub(crate) fn describe(py: Python<'_>, e: &PyErr) -> String {
-    let name = e
-        .get_type(py)
-        .name()
-        .map_or_else(|_| "Exception".to_owned(), |n| n.to_string());
-    format!("{name}: {}", e.value(py))
-}
-
 pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
     obj.repr()
         .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
@@ -80,7 +71,10 @@ pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
 
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyMux>()?;
+    m.add_class::<PySchedulerMux>()?;
+    m.add_class::<PyWorkerMux>()?;
+    m.add_function(wrap_pyfunction!(fan_out, m)?)?;
+    m.add("SCHEDULER_HOOKS", crate::mux::hook::SCHEDULER.to_vec())?;
     m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
     m.add_class::<PyHostIndex>()?;
     m.add_class::<PyServablePrefix>()?;

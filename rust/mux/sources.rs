@@ -5,13 +5,13 @@
 //! The rule: each child that supplied tokens of the request's load splits
 //! its own span by source (`first`/`longest`: the one chosen child, all of
 //! the load; `compose`: each child its span, cut from the end to what vLLM
-//! allocated, as [`Mux::allocated`] told them), and the splits are summed.
+//! allocated, as [`SchedulerMux::allocated`] told them), and the splits are summed.
 //! A child that answers nothing, or a split that does not sum to its span,
 //! counts its whole span under the child's own source. The counts always
 //! sum to the load. Sources are opaque keys (`K`): the bindings pass vLLM's
 //! `CacheHitSource` values as strings.
 
-use super::Mux;
+use super::SchedulerMux;
 use crate::requests::LoadPolicy;
 
 /// Child `i` supplied `tokens` of a load.
@@ -21,7 +21,7 @@ pub struct Span {
     pub tokens: u64,
 }
 
-impl Mux {
+impl SchedulerMux {
     /// The children that supply a request's `num_external` tokens, each
     /// with its span, in config order (empty when no child loads it). The
     /// spans sum to `num_external`.
@@ -107,14 +107,14 @@ pub fn combine<K: PartialEq, E>(
 mod tests {
     use super::*;
     use crate::error::ChildFault;
-    use crate::mux::ClashPolicy;
+    use crate::merge::ClashPolicy;
     use crate::requests::ChildMatch;
 
     type Split = Option<Vec<(&'static str, u64)>>;
 
-    fn mux(n: usize, load: LoadPolicy, held: &'static [u64]) -> Mux {
+    fn mux(n: usize, load: LoadPolicy, held: &'static [u64]) -> SchedulerMux {
         let names = (0..n).map(|i| format!("c{i}")).collect();
-        let m = Mux::new::<String>(names, ClashPolicy::Error, load, 16).unwrap();
+        let m = SchedulerMux::new::<String>(names, ClashPolicy::Error, load, 16).unwrap();
         let compose = load == LoadPolicy::Compose;
         m.lookup("r", 0, |i, nct| -> Result<ChildMatch, ChildFault<String>> {
             let t = if compose {
@@ -134,7 +134,7 @@ mod tests {
     const OWN: [&str; 3] = ["host", "p2p", "external_unspecified"];
 
     fn sources(
-        m: &Mux,
+        m: &SchedulerMux,
         n: u64,
         split: impl FnMut(usize, u64) -> Split,
     ) -> Vec<(&'static str, u64)> {

@@ -1,15 +1,5 @@
-//! The multiplexer's rules, as a type of its own.
-//!
-//! [`Mux`] decides, for every scheduler-side event of a request, what the
-//! multiplexer answers vLLM and what it remembers: which child loads, how
-//! many tokens it supplied, which children took part, how many async saves
-//! the workers must wait for, which params reach vLLM, which failures are
-//! contained. It never calls a child itself: the caller hands it each
-//! child's answer through a closure (`ask(i)`), so every rule runs under
-//! `cargo test` with plain Rust children, and the bindings only convert
-//! Python answers to [`ChildMatch`], `bool` and [`Params`].
+//! The scheduler side of the multiplexer: [`SchedulerMux`].
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -17,198 +7,27 @@ use std::time::{Duration, Instant};
 use dashmap::{DashMap, DashSet};
 use smallvec::{smallvec, SmallVec};
 
+use super::hma::{Hma, Route};
+use super::notice::{self, Notice};
+use super::*;
 use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
-use crate::completions::{Completions, Verdict};
 use crate::error::{ChildFault, MuxError};
-use crate::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged, ValueEq};
+use crate::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged};
 use crate::requests::{
-    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestState, RequestTable, MAX_CHILDREN,
+    all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestState, RequestTable,
 };
 use crate::stats::{Child, Counters, Snapshot, Total};
 
-mod sources;
-pub use sources::{combine as combine_sources, Span};
-
-/// The key the multiplexer adds to a finished request's params when the
-/// request asks for it: the tokens its chosen child supplied.
-pub const EXTRA_KEY: &str = "num_extra_cached_tokens";
-/// The key a request asks for, with any value, to get back the tokens each
-/// child and vLLM's local prefix cache supplied ([`Supplied`]).
-pub const BY_CHILD_KEY: &str = "cached_tokens_by_child";
-/// In [`BY_CHILD_KEY`]'s answer: vLLM's local prefix cache.
-pub const LOCAL_KEY: &str = "local_prefix_cache";
-
-/// A child's answer of no tokens (also what an excluded child counts as).
-const MISS: ChildMatch = ChildMatch {
-    tokens: Some(0),
-    load_async: false,
-};
-
-/// One value per child, on the stack for the usual handful of children:
-/// the hooks that run once per request allocate nothing for them.
-pub type PerChild<T> = SmallVec<[T; INLINE]>;
-/// Children a [`PerChild`] holds on the stack.
-pub const INLINE: usize = 8;
-
-/// `n` zeros, one per child. Not `smallvec![0; n]`: that fills a buffer
-/// with a `memset` call and copies it in, a store-forwarding stall that
-/// cost the allocation and the finish ~10 ns each.
-fn zeros(n: usize) -> PerChild<u64> {
-    if n <= INLINE {
-        SmallVec::from_buf_and_len([0; INLINE], n)
-    } else {
-        smallvec![0; n]
-    }
-}
-
-/// Which of the multiplexer's own params a finishing request asked for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Want {
-    /// [`EXTRA_KEY`]: the tokens the children supplied, summed.
-    pub extra: bool,
-    /// [`BY_CHILD_KEY`]: the tokens each child and the local cache supplied.
-    pub by_child: bool,
-}
-
-impl Want {
-    pub fn any(self) -> bool {
-        self.extra || self.by_child
-    }
-}
-
-/// Who supplied a finished request's cached tokens, for its own params.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Supplied {
-    pub want: Want,
-    /// Tokens the children supplied beyond the local prefix cache (summed).
-    pub extra: u64,
-    /// Per child, the tokens it supplied (loads that failed not counted).
-    pub by_child: PerChild<u64>,
-    /// Tokens vLLM's local prefix cache held.
-    pub local: u64,
-}
-
-/// The connector hooks the multiplexer runs, as vLLM names them.
-pub mod hook {
-    pub const LOOKUP: &str = "get_num_new_matched_tokens";
-    pub const ALLOC: &str = "update_state_after_alloc";
-    pub const FINISHED: &str = "request_finished";
-    pub const FINISHED_ALL_GROUPS: &str = "request_finished_all_groups";
-    pub const PARTIAL_TAIL: &str = "register_finished_partial_tail";
-    pub const ON_NEW_REQUEST: &str = "on_new_request";
-    pub const BUILD_META: &str = "build_connector_meta";
-    pub const UPDATE_OUTPUT: &str = "update_connector_output";
-    pub const STATS: &str = "get_kv_connector_stats";
-
-    /// What a child's answer to `hook` must be, for error messages.
-    pub fn contract(hook: &str) -> &'static str {
-        match hook {
-            LOOKUP => "(int >= 0 or None, bool)",
-            FINISHED | FINISHED_ALL_GROUPS => "(bool, dict or None)",
-            PARTIAL_TAIL => "a bool",
-            _ => "what vLLM's connector interface documents",
-        }
-    }
-}
-
-/// A finished request's params as one child (or the multiplexer) returned
-/// them. A single source is handed back as it is; only a merge reads it.
-pub trait Params {
-    type Value: ValueEq<Error = Self::Error>;
-    type Error;
-    /// The key/value pairs, for a merge. A malformed source (a key that is
-    /// not a string) is a [`ChildFault::Malformed`].
-    #[allow(clippy::type_complexity)]
-    fn entries(&self) -> Result<Vec<(String, Self::Value)>, ChildFault<Self::Error>>;
-}
-
-/// One child's answer to a finish hook.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChildFinish<P> {
-    pub async_save: bool,
-    pub params: Option<P>,
-}
-
-/// The params a finished request returns to vLLM.
-#[derive(Debug, PartialEq)]
-pub enum FinishedParams<P, V> {
-    /// One source only: its params, uncopied.
-    Source(P),
-    /// Several sources, merged under the clash policy (first-seen order); a
-    /// key the request asked for that several sources returned holds every
-    /// source's value ([`Merged::others`]).
-    Merged(Vec<Merged<V>>),
-}
-
-/// A failure of a child on a request it never took part in, contained by
-/// the multiplexer (see [`Mux::finish`]); the caller logs it.
+/// The scheduler side of the multiplexer of `n` children: every rule a
+/// request's scheduler-side events follow (lookup, allocation, finish,
+/// partial tail, load errors, the outbox to the workers).
 #[derive(Debug)]
-pub struct Contained<E> {
-    pub child: usize,
-    pub hook: &'static str,
-    /// The first contained failure of this child (log it loudly).
-    pub first: bool,
-    pub fault: ChildFault<E>,
-}
-
-/// The multiplexer's answer to a lookup (it reads as the [`Lookup`]).
-#[derive(Debug)]
-pub struct Looked<E> {
-    pub lookup: Lookup,
-    /// Lookup failures contained as misses (children with a breaker).
-    pub contained: Vec<Contained<E>>,
-}
-
-impl<E> std::ops::Deref for Looked<E> {
-    type Target = Lookup;
-    fn deref(&self) -> &Lookup {
-        &self.lookup
-    }
-}
-
-/// The multiplexer's answer to a finish hook.
-#[derive(Debug)]
-pub struct Finished<P, V, E> {
-    pub async_save: bool,
-    pub params: Option<FinishedParams<P, V>>,
-    /// Clashes resolved (by `first`/`last`, or by the key's [`KeyRule`]) on
-    /// keys never warned about before.
-    pub new_clashes: Vec<Clash>,
-    pub contained: Vec<Contained<E>>,
-}
-
-/// What the scheduler side sends its workers with the next step's metadata
-/// (see [`crate::completions`]).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Outbox {
-    /// Finished requests saved asynchronously -> (bit set of the children
-    /// that save it, how many of their completions the workers wait for).
-    pub saves: HashMap<String, (u64, u32)>,
-    /// Requests loading asynchronously -> bit set of the children whose
-    /// asynchronous loads the workers wait for (one, or several spans
-    /// under `compose`).
-    pub loads: HashMap<String, u64>,
-    /// Of those loaded by a child with a load deadline: the device blocks
-    /// (group 0) the load writes, which a worker reports as load errors if
-    /// it misses the deadline (vLLM without failed receives).
-    pub load_blocks: HashMap<String, Vec<u32>>,
-}
-
-impl Outbox {
-    pub fn is_empty(&self) -> bool {
-        self.saves.is_empty() && self.loads.is_empty() && self.load_blocks.is_empty()
-    }
-}
-
-/// The multiplexer of `n` children. The scheduler side runs its rules; a
-/// worker's only counts and tracks completions.
-#[derive(Debug)]
-pub struct Mux {
+pub struct SchedulerMux {
     names: Vec<String>,
     clash: ClashPolicy,
-    load: LoadPolicy,
+    pub(super) load: LoadPolicy,
     block_size: u64,
-    table: RequestTable,
+    pub(super) table: RequestTable,
     counters: Counters,
     warned_keys: DashSet<String>,
     /// Bit i: child i's contained failure was logged loudly once.
@@ -227,27 +46,21 @@ pub struct Mux {
     /// forever).
     load_deadlines: Vec<Option<Duration>>,
     any_load_deadline: bool,
-    /// Worker side: the completions it waits for.
-    completions: Completions,
-    /// Worker side: request id -> device blocks of its load, for loads by a
-    /// child with a deadline (vLLM without failed receives).
-    load_blocks: DashMap<String, Vec<u32>>,
-    /// Worker side: blocks of loads that missed their deadline, to report
-    /// as load errors.
-    timed_out_blocks: Mutex<Vec<u32>>,
     /// `compose`: request id -> each child's span at the latest ready
     /// lookup (tokens, loads asynchronously).
-    spans: DashMap<String, Vec<(u64, bool)>>,
+    pub(super) spans: DashMap<String, Vec<(u64, bool)>>,
     /// Requests finished while vLLM waited for their asynchronous load and
     /// saved asynchronously -> the completions still due ([`RECV_DUE`],
     /// [`SEND_DUE`]): vLLM frees such a request on the first of them, so
-    /// only the last is passed on ([`Mux::reported`]).
+    /// only the last is passed on ([`SchedulerMux::reported`]).
     joined: DashMap<String, u8>,
     n_joined: AtomicUsize,
     /// Requests admitted more than once -> the tokens credited by their
     /// earlier admissions ([`Credits`]).
     credits: DashMap<String, Credits>,
     n_credits: AtomicUsize,
+    /// Which children take every KV cache group.
+    hma: Hma,
 }
 
 /// What the earlier admissions of a request (before a preemption, or before
@@ -280,19 +93,19 @@ impl Credits {
     }
 }
 
-/// [`Mux::reported`]: the finished-receiving completion is still due.
+/// [`SchedulerMux::reported`]: the finished-receiving completion is still due.
 const RECV_DUE: u8 = 1;
-/// [`Mux::reported`]: the finished-sending completion is still due.
+/// [`SchedulerMux::reported`]: the finished-sending completion is still due.
 const SEND_DUE: u8 = 2;
 
-/// The completions [`Mux::reported`] holds back from vLLM this step.
+/// The completions [`SchedulerMux::reported`] holds back from vLLM this step.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Held {
     pub recving: Vec<String>,
     pub sending: Vec<String>,
 }
 
-impl Mux {
+impl SchedulerMux {
     /// A multiplexer over children named `names` (1 to [`MAX_CHILDREN`]).
     pub fn new<E>(
         names: Vec<String>,
@@ -300,12 +113,8 @@ impl Mux {
         load: LoadPolicy,
         block_size: u64,
     ) -> Result<Self, MuxError<E>> {
-        if names.is_empty() || names.len() > MAX_CHILDREN {
-            return Err(MuxError::Config(format!(
-                "a multiplexer needs 1 to {MAX_CHILDREN} children, got {}",
-                names.len()
-            )));
-        }
+        check_names(&names)?;
+        let n = names.len();
         if block_size == 0 {
             return Err(MuxError::Config("block_size must be at least 1".into()));
         }
@@ -327,26 +136,18 @@ impl Mux {
             warned_lookup: AtomicU64::new(0),
             load_deadlines: Vec::new(),
             any_load_deadline: false,
-            completions: Completions::new(),
-            load_blocks: DashMap::new(),
-            timed_out_blocks: Mutex::new(Vec::new()),
             spans: DashMap::new(),
             joined: DashMap::new(),
             n_joined: AtomicUsize::new(0),
             credits: DashMap::new(),
             n_credits: AtomicUsize::new(0),
+            hma: Hma::new(vec![true; n], String::new()),
         })
     }
 
     /// A per-child setting must have one entry per child.
     fn one_per_child<E>(&self, what: &str, got: usize) -> Result<(), MuxError<E>> {
-        if got == self.names.len() {
-            return Ok(());
-        }
-        Err(MuxError::Config(format!(
-            "one {what} per child ({}), got {got}",
-            self.names.len()
-        )))
+        one_per_child(what, self.names.len(), got)
     }
 
     /// Give child i a lookup deadline `deadlines[i]`: a child still answering
@@ -368,7 +169,7 @@ impl Mux {
     /// still unfinished that long after the workers heard of it is failed
     /// for the request (vLLM recomputes or fails it, by its
     /// `kv_load_failure_policy`), and the child's late completion of it is
-    /// dropped as a stray ([`Mux::expire_loads`]).
+    /// dropped as a stray ([`SchedulerMux::expire_loads`]).
     pub fn with_load_deadlines<E>(
         mut self,
         deadlines: Vec<Option<Duration>>,
@@ -384,11 +185,7 @@ impl Mux {
         if !self.any_load_deadline {
             return 0;
         }
-        self.load_deadlines
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.is_some())
-            .fold(0, |b, (i, _)| b | (1u64 << i))
+        deadline_bits(&self.load_deadlines)
     }
 
     /// Give child i the circuit breaker `breakers[i]` (see
@@ -427,6 +224,74 @@ impl Mux {
     /// Every child's breaker state when one changed since the previous call.
     pub fn take_breaker_changes(&self) -> Option<Vec<Option<State>>> {
         self.breakers.take_changed()
+    }
+
+    /// Tell it which children support the hybrid KV cache manager
+    /// (`hma[i]`), and how to run a multi-group model without (`fix`, said
+    /// when a request is refused: [`SchedulerMux::finish_route`]).
+    pub fn with_hma<E>(mut self, hma: Vec<bool>, fix: String) -> Result<Self, MuxError<E>> {
+        self.one_per_child("HMA flag", hma.len())?;
+        self.hma = Hma::new(hma, fix);
+        Ok(self)
+    }
+
+    /// vLLM's `request_finished_all_groups` of `req_id`, its KV in `groups`
+    /// cache groups: which hook each child gets, with which blocks
+    /// ([`Hma::route`]). A request that children without HMA cannot take
+    /// (several groups) is refused, naming them, and its state dropped:
+    /// never truncated to one group.
+    pub fn finish_route<E>(&self, req_id: &str, groups: usize) -> Result<Route<'_>, MuxError<E>> {
+        self.hma.route(groups).map_err(|e| {
+            self.forget(req_id);
+            MuxError::TooManyGroups {
+                request: req_id.to_owned(),
+                groups: e.groups,
+                children: e.children,
+            }
+        })
+    }
+
+    /// The message of [`MuxError::TooManyGroups`]: the request, its groups,
+    /// the children that lack HMA, and the fixes.
+    pub fn refusal(&self, request: &str, groups: usize, children: &[usize]) -> String {
+        let e = super::hma::TooManyGroups {
+            groups,
+            children: children.to_vec(),
+        };
+        self.hma.refusal(request, &e, |i| self.name(i))
+    }
+
+    /// What to log after a lookup of `req_id`: each failure it contained,
+    /// and every breaker transition since the last lookup.
+    pub fn lookup_notices<E: std::fmt::Display>(
+        &self,
+        req_id: &str,
+        contained: &[Contained<E>],
+    ) -> Vec<Notice> {
+        let mut out = self.exit_notices(req_id, contained, &[]);
+        for t in self.breakers.take_transitions() {
+            out.push(notice::transition(self.name(t.child), &t));
+        }
+        out
+    }
+
+    /// What to log after a request's finish or partial tail: each failure
+    /// it contained and each clash it resolved on a key never warned about.
+    pub fn exit_notices<E: std::fmt::Display>(
+        &self,
+        req_id: &str,
+        contained: &[Contained<E>],
+        clashes: &[Clash],
+    ) -> Vec<Notice> {
+        let mut out = Vec::new();
+        for c in contained {
+            out.push(notice::contained(self.name(c.child), req_id, c));
+        }
+        let policy = self.clash.as_str();
+        for c in clashes {
+            out.push(notice::clash(c, policy, |i| self.name(i)));
+        }
+        out
     }
 
     /// How many children it multiplexes.
@@ -552,7 +417,7 @@ impl Mux {
         self.lookup_full(req_id, num_computed_tokens, ask)
     }
 
-    /// [`Mux::lookup`] when nothing but the answers matters: every child
+    /// [`SchedulerMux::lookup`] when nothing but the answers matters: every child
     /// asked for the tokens after `num_computed_tokens`, no deadline, no
     /// breaker admit or record (a raising child is still contained by its
     /// breaker, which then leaves this path for the next lookups).
@@ -597,7 +462,7 @@ impl Mux {
         })
     }
 
-    /// [`Mux::lookup`] with deadlines, breakers, exclusions and `compose`.
+    /// [`SchedulerMux::lookup`] with deadlines, breakers, exclusions and `compose`.
     fn lookup_full<E>(
         &self,
         req_id: &str,
@@ -804,15 +669,17 @@ impl Mux {
 
     /// `update_state_after_alloc`: the chosen child is told
     /// `num_external_tokens` (under `compose`, each child its span), every
-    /// other child that took part 0 (`tell(i, n)`). A planned
-    /// load's device blocks (`load_blocks()`, group 0; empty when the model
-    /// has several groups) are watched for load errors. A child failing
-    /// drops the request's state.
+    /// other child that took part 0 (`tell(i, n)`). A planned load's
+    /// device blocks (`load_blocks()`: the request's blocks per KV cache
+    /// group) are watched for load errors when the model has one group:
+    /// vLLM reports block-level load errors for single-group layouts only
+    /// (several groups fail whole requests, `failed_recving`, which needs
+    /// no blocks). A child failing drops the request's state.
     pub fn allocated<E>(
         &self,
         req_id: &str,
         num_external_tokens: u64,
-        load_blocks: impl FnOnce() -> Result<Vec<u32>, E>,
+        load_blocks: impl FnOnce() -> Result<Vec<Vec<u32>>, E>,
         mut tell: impl FnMut(usize, u64) -> Result<(), ChildFault<E>>,
     ) -> Result<Option<usize>, MuxError<E>> {
         let n = self.names.len();
@@ -855,7 +722,11 @@ impl Mux {
                 self.counters.child(j, Child::LoadTokens, g);
             }
             match load_blocks() {
-                Ok(blocks) => {
+                Ok(groups) => {
+                    let blocks = match <[Vec<u32>; 1]>::try_from(groups) {
+                        Ok([group0]) => group0,
+                        Err(_) => Vec::new(),
+                    };
                     if async_loaders & self.load_deadline_bits() != 0 && !blocks.is_empty() {
                         // The blocks this load writes: from the first one
                         // after vLLM's own prefix (never a shared block).
@@ -1044,7 +915,7 @@ impl Mux {
 
     /// `register_finished_partial_tail`: true when any child keeps the
     /// request's blocks for a partial tail. Failures are contained as in
-    /// [`Mux::finish`] (a contained child answers false).
+    /// [`SchedulerMux::finish`] (a contained child answers false).
     #[allow(clippy::type_complexity)]
     pub fn partial_tail<E>(
         &self,
@@ -1057,7 +928,7 @@ impl Mux {
         Ok((any, contained))
     }
 
-    /// Call every child for a request on its way out (see [`Mux::finish`]);
+    /// Call every child for a request on its way out (see [`SchedulerMux::finish`]);
     /// each answer goes to `take(i, answer)` as it comes, a failed child's
     /// to nobody. Neither the answers nor their results are collected: the
     /// usual finish allocates nothing.
@@ -1144,7 +1015,7 @@ impl Mux {
         }
     }
 
-    /// Whether [`Mux::reported`] needs the step's completions: some live
+    /// Whether [`SchedulerMux::reported`] needs the step's completions: some live
     /// request waits for its asynchronous load, or some finished one for its
     /// last completion.
     pub fn tracking_loads(&self) -> bool {
@@ -1200,7 +1071,7 @@ impl Mux {
     }
 
     /// Finished requests whose last completion vLLM still waits for
-    /// ([`Mux::reported`]).
+    /// ([`SchedulerMux::reported`]).
     pub fn joined_requests(&self) -> usize {
         self.n_joined.load(Relaxed)
     }
@@ -1278,159 +1149,6 @@ impl Mux {
         hit.len()
     }
 
-    /// Worker side: what the scheduler side announced (an [`Outbox`]).
-    pub fn expect(&self, saves: &[(&str, u64, u32)], loads: &[(&str, u64)]) {
-        for &(req_id, children, need) in saves {
-            self.completions.expect_send(req_id, children, need);
-        }
-        let timed = self.load_deadline_bits();
-        let now = (timed != 0 && loads.iter().any(|&(_, c)| c & timed != 0)).then(Instant::now);
-        for &(req_id, children) in loads {
-            let since = now.filter(|_| children & timed != 0);
-            self.completions.expect_recv_since(req_id, children, since);
-        }
-    }
-
-    /// Worker side: the device blocks of loads by a child with a deadline
-    /// (the scheduler side's [`Outbox::load_blocks`]), kept to report as
-    /// load errors if the load misses its deadline; needed only where vLLM
-    /// has no failed receives.
-    pub fn expect_load_blocks(&self, blocks: impl IntoIterator<Item = (String, Vec<u32>)>) {
-        for (req_id, b) in blocks {
-            self.load_blocks.insert(req_id, b);
-        }
-    }
-
-    /// Worker side, once per step: every async load a child with a deadline
-    /// has left unfinished past it is failed for the request (counted in
-    /// `load_timeouts` of that child; its late completion will be a stray).
-    /// `done(req_id)` gets each request to report finished and failed
-    /// receiving now (no other loader owes it); the blocks of the loads
-    /// that timed out go to [`Mux::take_timed_out_blocks`].
-    pub fn expire_loads(&self, now: Instant, mut done: impl FnMut(&str)) {
-        if !self.any_load_deadline || self.completions.pending_recvs() == 0 {
-            return;
-        }
-        self.completions
-            .expire_recvs(&self.load_deadlines, now, |req_id, late, finished| {
-                let mut bits = late;
-                while bits != 0 {
-                    let i = bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    self.counters.child(i, Child::LoadTimeouts, 1);
-                }
-                if let Some((_, b)) = self.load_blocks.remove(req_id) {
-                    self.lock_timed_out().extend(b);
-                }
-                if finished {
-                    done(req_id);
-                }
-            });
-    }
-
-    /// Worker side: blocks of loads that missed their deadline since the
-    /// last take (vLLM's `get_block_ids_with_load_errors`).
-    pub fn take_timed_out_blocks(&self) -> Vec<u32> {
-        if !self.any_load_deadline {
-            return Vec::new();
-        }
-        std::mem::take(&mut *self.lock_timed_out())
-    }
-
-    fn lock_timed_out(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        self.timed_out_blocks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Worker side: child i reported `req_id` finished sending. True when
-    /// the request is finished sending now (every saver reported); a
-    /// completion the child did not owe is dropped and counted.
-    pub fn sent(&self, i: usize, req_id: &str) -> bool {
-        match self.completions.sent(i, req_id) {
-            // A send is never failed.
-            Verdict::Done | Verdict::Failed => {
-                self.counters.child(i, Child::SaveCompletions, 1);
-                self.counters.total(Total::FinishedSending, 1);
-                true
-            }
-            Verdict::Waiting => {
-                self.counters.child(i, Child::SaveCompletions, 1);
-                false
-            }
-            Verdict::Stray => {
-                self.counters.child(i, Child::StrayCompletions, 1);
-                false
-            }
-        }
-    }
-
-    /// Worker side: child i reported `req_id` finished receiving, its load
-    /// `failed` or not. Once every child that loads the request
-    /// asynchronously has reported it: `Some(failed)`, failed when any of
-    /// them failed (vLLM must hear "finished" and "failed" then, never one
-    /// without the other). A completion the child did not owe is dropped
-    /// and counted.
-    pub fn received(&self, i: usize, req_id: &str, failed: bool) -> Option<bool> {
-        let verdict = self.completions.received(i, req_id, failed);
-        let counter = match verdict {
-            Verdict::Stray => Child::StrayCompletions,
-            _ => Child::LoadCompletions,
-        };
-        self.counters.child(i, counter, 1);
-        let out = match verdict {
-            Verdict::Done => Some(false),
-            Verdict::Failed => Some(true),
-            Verdict::Waiting | Verdict::Stray => None,
-        };
-        if out.is_some() && self.any_load_deadline {
-            self.load_blocks.remove(req_id);
-        }
-        out
-    }
-
-    /// Worker side: child i's receive results of one step, `finished` and
-    /// `failed` ids (vLLM's contract puts a failed id in both; one in
-    /// `failed` only counts the same): each id is one completion of the
-    /// child. `done(req_id, failed)` gets each request finished receiving
-    /// now.
-    pub fn received_results<S: AsRef<str>>(
-        &self,
-        i: usize,
-        finished: &[S],
-        failed: &[S],
-        mut done: impl FnMut(&S, bool),
-    ) {
-        for id in failed {
-            if let Some(f) = self.received(i, id.as_ref(), true) {
-                done(id, f);
-            }
-        }
-        for id in finished {
-            if failed.iter().any(|f| f.as_ref() == id.as_ref()) {
-                continue;
-            }
-            if let Some(f) = self.received(i, id.as_ref(), false) {
-                done(id, f);
-            }
-        }
-    }
-
-    /// Worker side: requests still waiting for send completions.
-    pub fn pending_sends(&self) -> usize {
-        self.completions.pending_sends()
-    }
-
-    /// Worker side: requests still waiting for their load's completion.
-    pub fn pending_recvs(&self) -> usize {
-        self.completions.pending_recvs()
-    }
-
-    /// Worker side: blocks children failed to load.
-    pub fn count_load_failures(&self, blocks: u64) {
-        self.counters.total(Total::LoadFailedBlocks, blocks);
-    }
-
     pub fn snapshot(&self) -> Snapshot {
         self.counters.snapshot()
     }
@@ -1448,6 +1166,7 @@ impl Mux {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mux::notice::Level;
     use proptest::prelude::*;
 
     /// Params of a test child: (key, value) pairs; an empty key stands for
@@ -1487,9 +1206,9 @@ mod tests {
 
     type R<T> = Result<T, ChildFault<String>>;
 
-    fn mux(n: usize, clash: ClashPolicy, load: LoadPolicy) -> Mux {
+    fn mux(n: usize, clash: ClashPolicy, load: LoadPolicy) -> SchedulerMux {
         let names = (0..n).map(|i| format!("c{i}")).collect();
-        Mux::new::<String>(names, clash, load, 16).unwrap()
+        SchedulerMux::new::<String>(names, clash, load, 16).unwrap()
     }
 
     fn hit(tokens: u64) -> R<ChildMatch> {
@@ -1504,7 +1223,7 @@ mod tests {
     }
 
     /// Finish `req` asking for both own params; what the mux credited.
-    fn supplied(m: &Mux, req: &str) -> Supplied {
+    fn supplied(m: &SchedulerMux, req: &str) -> Supplied {
         let mut got = None;
         m.finish(
             req,
@@ -1536,7 +1255,7 @@ mod tests {
     }
 
     fn finish_with(
-        m: &Mux,
+        m: &SchedulerMux,
         req: &str,
         want_extra: bool,
         answers: Vec<R<ChildFinish<P>>>,
@@ -1556,7 +1275,7 @@ mod tests {
         Ok(())
     }
 
-    fn no_blocks() -> Result<Vec<u32>, String> {
+    fn no_blocks() -> Result<Vec<Vec<u32>>, String> {
         Ok(vec![])
     }
 
@@ -1564,7 +1283,7 @@ mod tests {
     fn new_refuses_zero_or_too_many_children() {
         for n in [0, MAX_CHILDREN + 1] {
             let names = (0..n).map(|i| i.to_string()).collect();
-            let err = Mux::new::<String>(names, ClashPolicy::Error, LoadPolicy::First, 16);
+            let err = SchedulerMux::new::<String>(names, ClashPolicy::Error, LoadPolicy::First, 16);
             assert!(matches!(err, Err(MuxError::Config(_))));
         }
     }
@@ -1581,7 +1300,7 @@ mod tests {
         assert_eq!(snap.children[1][Child::HitTokens as usize], 16);
     }
 
-    fn with_deadlines(deadlines: Vec<Option<Duration>>) -> Mux {
+    fn with_deadlines(deadlines: Vec<Option<Duration>>) -> SchedulerMux {
         mux(deadlines.len(), ClashPolicy::Error, LoadPolicy::First)
             .with_lookup_deadlines::<String>(deadlines)
             .unwrap()
@@ -1628,7 +1347,7 @@ mod tests {
         assert_eq!(finished, [0, 1]);
     }
 
-    fn with_breaker(failures: u32, cooldown_ms: u64, deadline: Option<Duration>) -> Mux {
+    fn with_breaker(failures: u32, cooldown_ms: u64, deadline: Option<Duration>) -> SchedulerMux {
         let cfg = BreakerConfig {
             failures,
             cooldown: Duration::from_millis(cooldown_ms),
@@ -1643,7 +1362,7 @@ mod tests {
         Err(ChildFault::Raised("server gone".into()))
     }
 
-    fn count(m: &Mux, i: usize, c: Child) -> u64 {
+    fn count(m: &SchedulerMux, i: usize, c: Child) -> u64 {
         m.snapshot().children[i][c as usize]
     }
 
@@ -1980,7 +1699,7 @@ mod tests {
             .allocated(
                 "r",
                 32,
-                || Ok::<_, String>(vec![7, 8]),
+                || Ok::<_, String>(vec![vec![7, 8]]),
                 |i, n| {
                     told.push((i, n));
                     Ok(())
@@ -2006,6 +1725,24 @@ mod tests {
     }
 
     #[test]
+    fn a_load_is_watched_for_block_errors_only_on_a_single_group_model() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        let two_groups = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1], vec![2]]) };
+        m.allocated("r", 16, two_groups, no_tell).unwrap();
+        assert_eq!(
+            m.load_errors(|b| b == 1, |_| false),
+            0,
+            "several groups: no block-level errors, vLLM fails whole requests"
+        );
+        assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
+        m.lookup("s", 0, |_, _| hit(16)).unwrap();
+        let one_group = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![3]]) };
+        m.allocated("s", 16, one_group, no_tell).unwrap();
+        assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
+    }
+
+    #[test]
     fn allocation_fault_drops_state_and_watch() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
         m.lookup("r", 0, |_, _| hit(16)).unwrap();
@@ -2013,7 +1750,7 @@ mod tests {
             .allocated(
                 "r",
                 16,
-                || Ok(vec![1]),
+                || Ok(vec![vec![1]]),
                 |i, _| {
                     if i == 1 {
                         Err(ChildFault::Raised("no".to_owned()))
@@ -2082,7 +1819,7 @@ mod tests {
 
     /// A lookup where child 0 loads `tokens` asynchronously, and the
     /// allocation of its load.
-    fn async_load(m: &Mux, req: &str, tokens: u64) {
+    fn async_load(m: &SchedulerMux, req: &str, tokens: u64) {
         m.lookup(req, 0, |i, _| {
             R::Ok(ChildMatch {
                 tokens: Some(if i == 0 { tokens } else { 0 }),
@@ -2254,7 +1991,7 @@ mod tests {
         // 16 tokens in vLLM's own prefix cache (block 7), 40 to load
         // (blocks 8, 9, 10 of 16-token blocks).
         m.lookup("r", 16, |i, _| lazy(i)).unwrap();
-        let blocks = || -> Result<Vec<u32>, String> { Ok(vec![7, 8, 9, 10, 11]) };
+        let blocks = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![7, 8, 9, 10, 11]]) };
         m.allocated("r", 40, blocks, no_tell).unwrap();
         let out = m.take_outbox();
         assert_eq!(out.loads.get("r"), Some(&0b10));
@@ -2265,8 +2002,7 @@ mod tests {
         );
 
         // The worker: the clock starts when it hears of the load.
-        let w = mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_load_deadlines::<String>(vec![None, Some(timeout)])
+        let w = WorkerMux::new::<String>(vec!["c0".into(), "c1".into()], vec![None, Some(timeout)])
             .unwrap();
         let t0 = Instant::now();
         w.expect(&[], &[("r", 0b10)]);
@@ -2292,9 +2028,11 @@ mod tests {
 
     #[test]
     fn a_load_in_time_keeps_no_blocks_and_a_child_without_a_deadline_waits() {
-        let w = mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_load_deadlines::<String>(vec![None, Some(Duration::ZERO)])
-            .unwrap();
+        let w = WorkerMux::new::<String>(
+            vec!["c0".into(), "c1".into()],
+            vec![None, Some(Duration::ZERO)],
+        )
+        .unwrap();
         w.expect(&[], &[("a", 0b01), ("b", 0b10)]);
         w.expect_load_blocks([("b".to_owned(), vec![3])]);
         assert_eq!(w.received(1, "b", false), Some(false));
@@ -2320,7 +2058,7 @@ mod tests {
         m.allocated(
             "r",
             16,
-            || -> Result<Vec<u32>, String> { Ok(vec![1]) },
+            || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1]]) },
             no_tell,
         )
         .unwrap();
@@ -2356,54 +2094,6 @@ mod tests {
         m.lookup("s", 0, |i, _| hit([0, 16][i])).unwrap();
         m.allocated("s", 16, no_blocks, no_tell).unwrap();
         assert!(m.take_outbox().is_empty());
-    }
-
-    #[test]
-    fn workers_report_a_request_once_every_saver_did_and_count_strays() {
-        let w = mux(3, ClashPolicy::Error, LoadPolicy::First);
-        w.expect(&[("r", 0b011, 2)], &[("l", 0b100)]);
-        assert!(!w.sent(0, "r"));
-        assert!(!w.sent(0, "r"), "a duplicate counts once");
-        assert!(!w.sent(2, "r"), "child 2 never saved it");
-        assert!(w.sent(1, "r"));
-        assert_eq!(
-            w.received(0, "l", false),
-            None,
-            "only the loading child's receive counts"
-        );
-        assert_eq!(w.received(2, "l", false), Some(false));
-        let snap = w.snapshot();
-        let c = |i: usize, k: Child| snap.children[i][k as usize];
-        assert_eq!(c(0, Child::SaveCompletions), 1);
-        assert_eq!(c(0, Child::StrayCompletions), 2);
-        assert_eq!(c(2, Child::StrayCompletions), 1);
-        assert_eq!(c(2, Child::LoadCompletions), 1);
-        assert_eq!(snap.totals[Total::FinishedSending as usize], 1);
-        assert_eq!((w.pending_sends(), w.pending_recvs()), (0, 0));
-    }
-
-    #[test]
-    fn a_failed_receive_is_reported_finished_and_failed_after_the_last_loader() {
-        let w = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
-        w.expect(&[], &[("r", 0b011), ("s", 0b100)]);
-        let mut got = Vec::new();
-        // Child 0 reports r failed, in both lists (vLLM's contract): one
-        // completion, and the request still waits for child 1.
-        w.received_results(0, &["r"], &["r"], |id, f| got.push((*id, f)));
-        assert!(got.is_empty());
-        w.received_results(1, &["r"], &[], |id, f| got.push((*id, f)));
-        // Child 2 reports s failed in `failed` only: the same.
-        w.received_results(2, &[], &["s"], |id, f| got.push((*id, f)));
-        assert_eq!(got, [("r", true), ("s", true)]);
-        let snap = w.snapshot();
-        let c = |i: usize, k: Child| snap.children[i][k as usize];
-        assert_eq!(
-            [0, 1, 2].map(|i| c(i, Child::LoadCompletions)),
-            [1, 1, 1],
-            "a failed id in both lists is one completion"
-        );
-        assert_eq!(c(0, Child::StrayCompletions), 0);
-        assert_eq!(w.pending_recvs(), 0);
     }
 
     #[test]
@@ -2497,6 +2187,74 @@ mod tests {
     }
 
     #[test]
+    fn a_multi_group_finish_with_a_child_without_hma_is_refused_and_forgotten() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_hma::<String>(vec![true, false], "turn HMA off".into())
+            .unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        assert_eq!(m.live_requests(), 1);
+        let err = m.finish_route::<String>("r", 2).unwrap_err();
+        let MuxError::TooManyGroups {
+            ref request,
+            groups,
+            ref children,
+        } = err
+        else {
+            panic!("refusal expected, got {err:?}");
+        };
+        assert_eq!(
+            (request.as_str(), groups, children.as_slice()),
+            ("r", 2, &[1][..])
+        );
+        assert_eq!(
+            m.live_requests(),
+            0,
+            "the refused request's state is dropped"
+        );
+        assert!(m.refusal("r", 2, &[1]).contains("children ['c1']"));
+        assert!(m.refusal("r", 2, &[1]).contains("turn HMA off"));
+        // One group: the child without HMA gets request_finished.
+        let route = m.finish_route::<String>("s", 1).unwrap();
+        assert_eq!(
+            (route.hook(0), route.hook(1)),
+            (hook::FINISHED_ALL_GROUPS, hook::FINISHED)
+        );
+        assert!(mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_hma::<String>(vec![true], String::new())
+            .is_err());
+    }
+
+    #[test]
+    fn notices_tell_each_contained_failure_clash_and_breaker_transition_once() {
+        // A breaker opens on the first raising lookup: the lookup's notices
+        // are the contained miss (loud, the child's first) and the opening.
+        let m = with_breaker(1, 60_000, None);
+        let got = m
+            .lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        let notices = m.lookup_notices("r", &got.contained);
+        let levels: Vec<_> = notices.iter().map(|n| n.level).collect();
+        assert_eq!(levels, [Level::Warning, Level::Warning]);
+        assert!(notices[0].text.contains("contained as a miss"));
+        assert!(notices[1].text.contains("breaker of child 'c0' opened"));
+        assert!(
+            m.lookup_notices::<String>("s", &[]).is_empty(),
+            "a transition is told once"
+        );
+        // A clash resolved by the policy, told once per key.
+        let m = mux(2, ClashPolicy::First, LoadPolicy::First);
+        let a = || done(false, Some(P(vec![("k", 1)])));
+        let f = finish_with(&m, "r", false, vec![a(), a()]).unwrap();
+        let notices = m.exit_notices("r", &f.contained, &f.new_clashes);
+        assert_eq!(notices.len(), 1);
+        assert!(notices[0]
+            .text
+            .contains("'c0' and 'c1' both return kv_transfer_params key 'k'"));
+        let f = finish_with(&m, "s", false, vec![a(), a()]).unwrap();
+        assert!(m.exit_notices("s", &f.contained, &f.new_clashes).is_empty());
+    }
+
+    #[test]
     fn each_child_and_the_local_cache_are_credited_their_tokens() {
         let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
         m.lookup("r", 16, |i, _| hit([0, 48, 32][i])).unwrap();
@@ -2565,7 +2323,7 @@ mod tests {
         m.allocated(
             "r",
             48,
-            || Ok::<_, String>(vec![1, 2, 3, 4]),
+            || Ok::<_, String>(vec![vec![1, 2, 3, 4]]),
             |i, n| {
                 told.push((i, n));
                 Ok(())
@@ -2595,7 +2353,7 @@ mod tests {
     #[test]
     fn compose_waits_for_a_child_before_asking_the_ones_after_it() {
         let m = with_deadlines(vec![None, None]);
-        let m = Mux {
+        let m = SchedulerMux {
             load: LoadPolicy::Compose,
             ..m
         };
@@ -2715,8 +2473,13 @@ mod tests {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         // 16 local tokens (block 0), 48 loaded into blocks 1..=3.
         m.lookup("r", 16, |_, _| hit(48)).unwrap();
-        m.allocated("r", 48, || Ok::<_, String>(vec![10, 11, 12, 13]), no_tell)
-            .unwrap();
+        m.allocated(
+            "r",
+            48,
+            || Ok::<_, String>(vec![vec![10, 11, 12, 13]]),
+            no_tell,
+        )
+        .unwrap();
         assert_eq!(m.load_errors(|b| b == 10, |_| false), 0, "local block");
         assert_eq!(m.load_errors(|b| b == 12, |_| false), 1);
         assert!(!m.watching(), "reported once");
@@ -2744,12 +2507,12 @@ mod tests {
     fn finish_and_forget_end_the_watch() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         m.lookup("r", 0, |_, _| hit(32)).unwrap();
-        m.allocated("r", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
+        m.allocated("r", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
             .unwrap();
         finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
         assert!(!m.watching());
         m.lookup("s", 0, |_, _| hit(32)).unwrap();
-        m.allocated("s", 32, || Ok::<_, String>(vec![1, 2]), no_tell)
+        m.allocated("s", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
             .unwrap();
         m.forget("s");
         assert!(!m.watching());

@@ -1,0 +1,81 @@
+"""How a connector hook is resolved to the object that runs it.
+
+The hot hooks of :class:`~kvmux.connector.KvmuxConnector` have no Python
+body of kvmux's: a scheduler hook is the Rust ``SchedulerMux``'s method of
+the same name (vLLM's call goes straight into Rust), and a per-layer hook is
+the one child's bound method that does something. Each is declared on the
+connector class as a descriptor of this module, with its contract as its
+docstring, so a reader finds it by grep where the other hooks are.
+
+A descriptor resolves its hook on the first access and keeps the result on
+the instance, as :func:`functools.cached_property` keeps its value: later
+accesses are a plain attribute read, with no frame. What the instance keeps
+is what the descriptor returns; no method of a different body is shadowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LayerHook", "SchedulerHook", "WrongRole"]
+
+
+class _ResolvedHook:
+    """A hook resolved once per instance by :meth:`resolve`."""
+
+    name: str
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def __get__(self, connector: Any, owner: type | None = None) -> Any:
+        if connector is None:
+            return self
+        fn = self.resolve(connector)
+        connector.__dict__[self.name] = fn
+        return fn
+
+    def __call__(self, connector: Any, *args: Any, **kwargs: Any) -> Any:
+        """Called through the class (``KvmuxConnector.hook(conn, ...)``)."""
+        return self.__get__(connector)(*args, **kwargs)
+
+
+class SchedulerHook(_ResolvedHook):
+    """A scheduler-side hook that is the Rust ``SchedulerMux``'s method of
+    the same name (``kvmux._core.SCHEDULER_HOOKS``)."""
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        return getattr(connector._scheduler_mux, self.name)
+
+
+class LayerHook(_ResolvedHook):
+    """A per-layer worker hook: only the children whose hook does something
+    are called, a single one directly, with no wrapper frame
+    (:func:`kvmux._fanout.layer_hook`). On that path a child's exception
+    reaches vLLM as the child raised it, not as ``KvmuxChildError``: naming
+    it would cost a frame per layer per step."""
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        return connector._children.layer_hook(self.name)
+
+
+class WrongRole:
+    """Stands for the side a connector was not built for: any use says so."""
+
+    def __init__(self, side: str, role: str, where: str) -> None:
+        self._side = side
+        self._role = role
+        self._where = where
+
+    def __getattr__(self, hook: str) -> Any:
+        raise RuntimeError(
+            f"kvmux: {hook} is a {self._side}-side hook, and this KvmuxConnector was "
+            f"built for the {self._role} role; call it on {self._where}"
+        )

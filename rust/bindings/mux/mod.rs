@@ -1,0 +1,296 @@
+//! The multiplexer's bindings (`crate::mux`), one file per role
+//! (`scheduler.rs`: `SchedulerMux`, `worker.rs`: `WorkerMux`); this one
+//! converts what both take: the children's answers, request ids, the
+//! facts of each child's hooks.
+
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+
+use std::borrow::Cow;
+use std::fmt::Write;
+
+use super::repr;
+use crate::error::ChildFault;
+use crate::merge::ValueEq;
+use crate::mux::plan::{Fact, Fanout};
+use crate::mux::{ChildFinish, Params};
+use crate::requests::ChildMatch;
+
+mod scheduler;
+mod worker;
+
+pub(super) use scheduler::PySchedulerMux;
+pub(super) use worker::PyWorkerMux;
+
+// ------------------------------------------------------------ conversions
+
+/// A Python value compared with Python's `==`.
+pub(super) struct PyVal<'py>(pub(super) Bound<'py, PyAny>);
+
+impl ValueEq for PyVal<'_> {
+    type Error = PyErr;
+    fn value_eq(&self, other: &Self) -> PyResult<bool> {
+        self.0.eq(&other.0)
+    }
+}
+
+/// A child's (or kvmux's own) params dict.
+pub(super) struct PyParams<'py>(pub(super) Bound<'py, PyDict>);
+
+impl<'py> Params for PyParams<'py> {
+    type Value = PyVal<'py>;
+    type Error = PyErr;
+    fn entries(&self) -> Result<Vec<(String, PyVal<'py>)>, ChildFault<PyErr>> {
+        let mut kv = Vec::with_capacity(self.0.len());
+        for (k, v) in self.0.iter() {
+            let Ok(key) = k.cast::<PyString>() else {
+                return Err(ChildFault::Malformed(format!(
+                    "returned a params key {} that is not a str",
+                    repr(&k)
+                )));
+            };
+            kv.push((
+                str_key(key).map_err(ChildFault::Raised)?.into_owned(),
+                PyVal(v),
+            ));
+        }
+        Ok(kv)
+    }
+}
+
+/// What a child raised, as a fault: an `Exception` is an error kvmux may
+/// contain; any other `BaseException` (`KeyboardInterrupt`, `SystemExit`)
+/// is an interrupt, passed on as it is.
+pub(super) fn raised(py: Python<'_>, e: PyErr) -> ChildFault<PyErr> {
+    if e.is_instance_of::<PyException>(py) {
+        ChildFault::Raised(e)
+    } else {
+        ChildFault::Interrupt(e)
+    }
+}
+
+pub(super) fn malformed<T>(why: String) -> Result<T, ChildFault<PyErr>> {
+    Err(ChildFault::Malformed(why))
+}
+
+/// A child's `get_num_new_matched_tokens` answer.
+pub(super) fn to_match(ans: &Bound<'_, PyAny>) -> Result<ChildMatch, ChildFault<PyErr>> {
+    let Ok(tup) = ans.cast::<PyTuple>() else {
+        return malformed(format!("returned {}", repr(ans)));
+    };
+    if tup.len() != 2 {
+        return malformed(format!("returned a tuple of {} items", tup.len()));
+    }
+    let toks = tup.get_item(0).map_err(ChildFault::Raised)?;
+    let load_async = tup.get_item(1).map_err(ChildFault::Raised)?;
+    let tokens = if toks.is_none() {
+        None
+    } else {
+        let Ok(n) = toks.extract::<i64>() else {
+            return malformed(format!("returned token count {}", repr(&toks)));
+        };
+        if n < 0 {
+            return malformed(format!("returned a negative token count {n}"));
+        }
+        Some(n as u64)
+    };
+    let Ok(load_async) = load_async.extract::<bool>() else {
+        return malformed(format!("returned load_async {}", repr(&load_async)));
+    };
+    Ok(ChildMatch { tokens, load_async })
+}
+
+/// A child's `request_finished(_all_groups)` answer.
+pub(super) fn to_finish<'py>(
+    ans: Bound<'py, PyAny>,
+) -> Result<ChildFinish<PyParams<'py>>, ChildFault<PyErr>> {
+    let Some(tup) = ans.cast::<PyTuple>().ok().filter(|t| t.len() == 2) else {
+        return malformed(format!("returned {}", repr(&ans)));
+    };
+    let Ok(async_save) = tup
+        .get_item(0)
+        .map_err(ChildFault::Raised)?
+        .extract::<bool>()
+    else {
+        return malformed(format!("returned async_save {}", repr(&ans)));
+    };
+    let params = tup.get_item(1).map_err(ChildFault::Raised)?;
+    let params = if params.is_none() {
+        None
+    } else {
+        match params.cast_into::<PyDict>() {
+            Ok(d) => Some(PyParams(d)),
+            Err(e) => {
+                return malformed(format!("returned params {}", repr(e.into_inner().as_any())))
+            }
+        }
+    };
+    Ok(ChildFinish { async_save, params })
+}
+
+/// A child's `register_finished_partial_tail` answer.
+pub(super) fn to_bool(ans: &Bound<'_, PyAny>) -> Result<bool, ChildFault<PyErr>> {
+    ans.is_truthy().map_err(ChildFault::Raised)
+}
+
+/// Starts the key of a str that is not valid UTF-8 (see [`str_key`]); a
+/// noncharacter, so no id vLLM makes starts with it.
+const ESCAPE: char = '\u{FDD0}';
+
+/// A Python str as a Rust key: the str itself when it is valid UTF-8 (every
+/// id vLLM makes), else (a lone surrogate, from a client's request id) the
+/// escape followed by the hex of its `surrogatepass` bytes. Keys are opaque:
+/// any str is one, and distinct strs are distinct keys (a valid str that
+/// starts with the escape is escaped too).
+pub(super) fn str_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
+    match s.to_str() {
+        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
+        _ => {
+            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
+            let bytes = raw.cast::<PyBytes>()?.as_bytes();
+            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
+            out.push(ESCAPE);
+            for b in bytes {
+                let _ = write!(out, "{b:02x}");
+            }
+            Ok(Cow::Owned(out))
+        }
+    }
+}
+
+/// The Python str whose key is `key` (the inverse of [`str_key`]).
+pub(super) fn key_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
+    let Some(hex) = key.strip_prefix(ESCAPE) else {
+        return Ok(PyString::new(py, key));
+    };
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let s =
+        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
+    Ok(s.cast_into::<PyString>()?)
+}
+
+/// `request.request_id`, as a Python str (its key: [`str_key`]).
+pub(super) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let id = request.getattr(intern!(request.py(), "request_id"))?;
+    Ok(id.cast_into::<PyString>()?)
+}
+
+// ------------------------------------------------------------------ facts
+
+/// One child's hook as the host describes it: None (the child lacks it),
+/// `("constant", answer)` (its body only returns `answer`) or `("works",
+/// bound method)`.
+fn to_fact<T>(
+    fact: &Bound<'_, PyAny>,
+    convert: impl Fn(&Bound<'_, PyAny>) -> Result<T, ChildFault<PyErr>>,
+) -> PyResult<Fact<Py<PyAny>, T>> {
+    if fact.is_none() {
+        return Ok(Fact::Missing);
+    }
+    let (kind, obj): (Bound<'_, PyString>, Bound<'_, PyAny>) = fact.extract()?;
+    match kind.to_str()? {
+        "works" => Ok(Fact::Works(obj.unbind())),
+        "constant" => Ok(Fact::Constant(convert(&obj).map_err(|f| match f {
+            ChildFault::Malformed(why) => why,
+            ChildFault::Raised(e) | ChildFault::Interrupt(e) => e.to_string(),
+        }))),
+        other => Err(PyValueError::new_err(format!(
+            "a hook fact is None, (\"constant\", answer) or (\"works\", method), got {other:?}"
+        ))),
+    }
+}
+
+/// The fan-out of one hook over `n` children, from the host's facts (None:
+/// the host told nothing of the hook; every child answers `default`).
+pub(super) fn fanout<T>(
+    facts: Option<Bound<'_, PyAny>>,
+    n: usize,
+    default: impl Fn() -> T,
+    convert: impl Fn(&Bound<'_, PyAny>) -> Result<T, ChildFault<PyErr>>,
+) -> PyResult<Fanout<Py<PyAny>, T>> {
+    let Some(facts) = facts else {
+        return Ok(Fanout::none(n, default));
+    };
+    let facts = facts
+        .try_iter()?
+        .map(|f| to_fact(&f?, &convert))
+        .collect::<PyResult<Vec<_>>>()?;
+    if facts.len() != n {
+        return Err(PyValueError::new_err(format!(
+            "a hook needs one fact per child ({n}), got {}",
+            facts.len()
+        )));
+    }
+    Ok(Fanout::decide(facts, default))
+}
+
+/// A constant Python answer, taken as it is.
+pub(super) fn any_answer(a: &Bound<'_, PyAny>) -> Result<Py<PyAny>, ChildFault<PyErr>> {
+    Ok(a.clone().unbind())
+}
+
+/// `_core.fan_out(facts)`: the plan of a hook kvmux calls from Python,
+/// decided by the core's rule (`mux/plan.rs`): `(indices of the children
+/// to call, every child's constant answer)`.
+#[pyfunction]
+pub(super) fn fan_out(
+    py: Python<'_>,
+    facts: Bound<'_, PyAny>,
+) -> PyResult<(Vec<usize>, Vec<Py<PyAny>>)> {
+    let n = facts.len()?;
+    let plan = fanout(Some(facts), n, || py.None(), any_answer)?;
+    let active = plan.active().map(|(i, _)| i).collect();
+    let answers = plan
+        .answers()
+        .iter()
+        .map(|a| a.as_ref().map_or_else(|_| py.None(), |v| v.clone_ref(py)))
+        .collect();
+    Ok((active, answers))
+}
+
+/// The answer of child `i` in `plan`: its constant, or `call(method)`
+/// converted.
+pub(super) fn answer<'py, T: Clone>(
+    py: Python<'py>,
+    plan: &Fanout<Py<PyAny>, T>,
+    i: usize,
+    call: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
+    convert: impl FnOnce(Bound<'py, PyAny>) -> Result<T, ChildFault<PyErr>>,
+) -> Result<T, ChildFault<PyErr>> {
+    match plan.call(i) {
+        Some(f) => convert(call(f.bind(py)).map_err(|e| raised(py, e))?),
+        None => plan.answer(i).map_err(ChildFault::Malformed),
+    }
+}
+
+/// Counters as a dict; `sparse` drops zeros and folds the clash counters
+/// into `{"clashes": {policy: n}}` (see `Snapshot::report`).
+pub(super) fn counters_dict<'py, 'a>(
+    py: Python<'py>,
+    snap: &crate::stats::Snapshot,
+    sparse: bool,
+    clash_policy: &'static str,
+    name: impl Fn(usize) -> &'a str,
+) -> PyResult<Bound<'py, PyDict>> {
+    use pyo3::types::IntoPyDict;
+    let report = snap.report(sparse, clash_policy);
+    let out = PyDict::new(py);
+    let children = PyDict::new(py);
+    for (i, kv) in report.children {
+        children.set_item(name(i), kv.into_py_dict(py)?)?;
+    }
+    if !children.is_empty() || !sparse {
+        out.set_item("children", children)?;
+    }
+    for (k, v) in report.totals {
+        out.set_item(k, v)?;
+    }
+    if let Some((policy, n)) = report.clashes {
+        out.set_item("clashes", [(policy, n)].into_py_dict(py)?)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,757 @@
+//! `kvmux._core.SchedulerMux`: the bindings of `crate::mux::SchedulerMux`.
+//!
+//! Its methods named as vLLM's hooks (`SCHEDULER_HOOKS`) are the
+//! scheduler-side connector's: vLLM's call goes straight into Rust, which
+//! calls the children the core's plan says to call (their bound methods,
+//! handed over once at construction) and converts their answers, with no
+//! Python frame of kvmux's in between. Every rule is the core's; this file
+//! converts.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PySet, PyString, PyTuple};
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::time::Duration;
+
+use super::super::raise;
+use super::{
+    answer, any_answer, fanout, key_str, raised, request_id, str_key, to_bool, to_finish, to_match,
+    PyParams,
+};
+use crate::breaker::BreakerConfig;
+use crate::error::{ChildFault, MuxError};
+use crate::merge::ClashPolicy;
+use crate::mux::hma::Route;
+use crate::mux::notice::{fault_detail, Notice};
+use crate::mux::plan::{worker_meta_entries, Fanout};
+use crate::mux::{
+    hook, ChildFinish, FinishedParams, SchedulerMux, Supplied, Want, BY_CHILD_KEY, EXTRA_KEY,
+    LOCAL_KEY,
+};
+use crate::requests::{ChildMatch, LoadPolicy};
+
+type Plan<T> = Fanout<Py<PyAny>, T>;
+
+/// The scheduler side of the multiplexer, with its children's hooks.
+#[pyclass(frozen, name = "SchedulerMux", module = "kvmux._core")]
+pub struct PySchedulerMux {
+    core: SchedulerMux,
+    logger: Py<PyAny>,
+    lookup: Plan<ChildMatch>,
+    alloc: Plan<()>,
+    finished: Plan<bool>,
+    finished_all_groups: Plan<bool>,
+    partial_tail: Plan<bool>,
+    on_new_request: Plan<Py<PyAny>>,
+    build_meta: Plan<Py<PyAny>>,
+    update_output: Plan<Py<PyAny>>,
+    child_stats: Plan<Py<PyAny>>,
+    stats_every: Duration,
+}
+
+/// A duration in milliseconds from Python, named for the error.
+fn ms(what: &str, ms: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(ms / 1000.0)
+        .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 milliseconds, got {ms}")))
+}
+
+/// A constant finish answer: an async-save flag (constant params are not
+/// a finish answer a child can give without being called).
+fn finish_const(a: &Bound<'_, PyAny>) -> Result<bool, ChildFault<PyErr>> {
+    let f = to_finish(a.clone())?;
+    if f.params.is_some() {
+        return Err(ChildFault::Malformed("returned constant params".into()));
+    }
+    Ok(f.async_save)
+}
+
+/// One child's settings as the host hands them over: `(name, supports
+/// HMA, lookup_timeout_ms, load_timeout_ms, breaker (failures,
+/// cooldown_ms, max_cooldown_ms))`.
+type ChildSettings = (
+    String,
+    bool,
+    Option<f64>,
+    Option<f64>,
+    Option<(u32, f64, f64)>,
+);
+
+impl PySchedulerMux {
+    /// A core error as the Python exception users see.
+    fn error(&self, py: Python<'_>, e: MuxError<PyErr>) -> PyErr {
+        match e {
+            MuxError::Child {
+                fault: ChildFault::Interrupt(e),
+                ..
+            } => e,
+            MuxError::Child { child, hook, fault } => {
+                let detail = fault_detail(hook, &fault);
+                let err = raise(
+                    py,
+                    |t| &t.child,
+                    (self.core.name(child).to_owned(), hook, detail),
+                );
+                if let ChildFault::Raised(cause) = fault {
+                    err.set_cause(py, Some(cause));
+                }
+                err
+            }
+            MuxError::ParamClash {
+                key,
+                first,
+                second,
+                policy,
+            } => raise(
+                py,
+                |t| &t.clash,
+                (
+                    key,
+                    self.core.name(first).to_owned(),
+                    self.core.name(second).to_owned(),
+                    policy,
+                ),
+            ),
+            MuxError::Host(e) => e,
+            MuxError::TooManyGroups {
+                request,
+                groups,
+                children,
+            } => raise(
+                py,
+                |t| &t.config,
+                (self.core.refusal(&request, groups, &children),),
+            ),
+            MuxError::Config(msg) => PyValueError::new_err(msg),
+        }
+    }
+
+    fn child_error(&self, py: Python<'_>, hook: &'static str, i: usize, e: PyErr) -> PyErr {
+        self.error(py, MuxError::child(i, hook, raised(py, e)))
+    }
+
+    /// Hand the core's notices to the `kvmux` logger as they are.
+    fn log(&self, py: Python<'_>, notices: Vec<Notice>) {
+        if notices.is_empty() {
+            return;
+        }
+        let logger = self.logger.bind(py);
+        for n in notices {
+            let _ = logger.call_method1(intern!(py, "log"), (n.level.number(), "%s", n.text));
+        }
+    }
+
+    /// Every active child of `plan` called with `call(method)`, in config
+    /// order; every child's answer (the constants included).
+    fn answers<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &Plan<Py<PyAny>>,
+        hook: &'static str,
+        call: impl Fn(&Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut out: Vec<Bound<'py, PyAny>> = plan
+            .answers()
+            .iter()
+            .map(|a| match a {
+                Ok(v) => v.bind(py).clone(),
+                Err(_) => py.None().into_bound(py),
+            })
+            .collect();
+        for (i, f) in plan.active() {
+            out[i] = call(f.bind(py)).map_err(|e| self.child_error(py, hook, i, e))?;
+        }
+        Ok(out)
+    }
+
+    /// A finish hook: child `i` gets `route.hook(i)` with `all` (every
+    /// group's blocks) or `one` (the one group's).
+    fn finish<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        route: Route<'_>,
+        all: &Bound<'py, PyAny>,
+        one: &Bound<'py, PyAny>,
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        let rid = request_id(request)?;
+        let req_id = &*str_key(&rid)?;
+        let asked_params = request
+            .getattr(intern!(py, "kv_transfer_params"))
+            .ok()
+            .and_then(|p| p.cast_into::<PyDict>().ok())
+            .filter(|d| !d.is_empty());
+        let want = match &asked_params {
+            Some(d) => Want {
+                extra: d.contains(EXTRA_KEY)?,
+                by_child: d.contains(BY_CHILD_KEY)?,
+            },
+            None => Want::default(),
+        };
+        // Read only when two sources return one key.
+        let asked = |key: &str| {
+            asked_params
+                .as_ref()
+                .is_some_and(|d| d.contains(key).unwrap_or(false))
+        };
+        let own = |s: &Supplied| {
+            let d = PyDict::new(py);
+            if s.want.extra {
+                d.set_item(EXTRA_KEY, s.extra)?;
+            }
+            if s.want.by_child {
+                let split = PyDict::new(py);
+                for (i, n) in s.by_child.iter().enumerate() {
+                    split.set_item(self.core.name(i), n)?;
+                }
+                split.set_item(LOCAL_KEY, s.local)?;
+                d.set_item(BY_CHILD_KEY, split)?;
+            }
+            Ok(PyParams(d))
+        };
+        let call = |i: usize| {
+            let plan = if route.hook(i) == hook::FINISHED_ALL_GROUPS {
+                &self.finished_all_groups
+            } else {
+                &self.finished
+            };
+            let blocks = if route.as_passed(i) { all } else { one };
+            match plan.call(i) {
+                Some(f) => to_finish(
+                    f.bind(py)
+                        .call1((request, blocks))
+                        .map_err(|e| raised(py, e))?,
+                ),
+                None => plan
+                    .answer(i)
+                    .map(|async_save| ChildFinish {
+                        async_save,
+                        params: None,
+                    })
+                    .map_err(ChildFault::Malformed),
+            }
+        };
+        let done = self
+            .core
+            .finish(req_id, |i| route.hook(i), want, asked, own, call)
+            .map_err(|e| self.error(py, e))?;
+        self.log(
+            py,
+            self.core
+                .exit_notices(req_id, &done.contained, &done.new_clashes),
+        );
+        let params = match done.params {
+            None => None,
+            Some(FinishedParams::Source(p)) => Some(p.0),
+            Some(FinishedParams::Merged(entries)) => {
+                let d = PyDict::new(py);
+                for e in entries {
+                    let key = key_str(py, &e.key)?;
+                    if e.others.is_empty() {
+                        d.set_item(key, e.value.0)?;
+                        continue;
+                    }
+                    let per = PyDict::new(py);
+                    per.set_item(self.core.name(e.source), e.value.0)?;
+                    for (i, v) in e.others {
+                        per.set_item(self.core.name(i), v.0)?;
+                    }
+                    d.set_item(key, per)?;
+                }
+                Some(d)
+            }
+        };
+        Ok((done.async_save, params))
+    }
+
+    /// The step's completions go by the core first (`reported`); those it
+    /// holds back are taken out of what vLLM reads (a held receive from
+    /// `failed_recving` too).
+    fn hold_completions(&self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<()> {
+        let recv_key = intern!(py, "finished_recving");
+        let send_key = intern!(py, "finished_sending");
+        let ids = |key: &Bound<'_, PyString>| -> PyResult<Vec<String>> {
+            let v = output.getattr(key)?;
+            if v.is_none() {
+                return Ok(Vec::new());
+            }
+            // Keyed as the core keys them (`str_key`); a non-str id was
+            // never tracked: skipped.
+            Ok(v.try_iter()?
+                .filter_map(|id| {
+                    let id = id.ok()?.cast_into::<PyString>().ok()?;
+                    str_key(&id).ok().map(Cow::into_owned)
+                })
+                .collect())
+        };
+        let held = self.core.reported(&ids(recv_key)?, &ids(send_key)?);
+        let keys = [
+            (recv_key, &held.recving),
+            (intern!(py, "failed_recving"), &held.recving),
+            (send_key, &held.sending),
+        ];
+        for (key, gone) in keys {
+            if gone.is_empty() {
+                continue;
+            }
+            let Ok(v) = output.getattr(key) else {
+                continue; // a vLLM without failed_recving
+            };
+            if v.is_none() {
+                continue;
+            }
+            let kept = PySet::empty(py)?;
+            for id in v.try_iter()? {
+                let id = id?;
+                let is_held = id
+                    .cast::<PyString>()
+                    .ok()
+                    .and_then(|s| str_key(s).ok().map(|k| gone.iter().any(|g| *g == *k)))
+                    .unwrap_or(false);
+                if !is_held {
+                    kept.add(id)?;
+                }
+            }
+            output.setattr(key, kept)?;
+        }
+        Ok(())
+    }
+
+    /// What the workers must be told with the next step's metadata, each
+    /// map keyed by the requests' own ids, None when empty.
+    #[allow(clippy::type_complexity)]
+    fn take_outbox<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+    )> {
+        let out = self.core.take_outbox();
+        // The usual step: nothing to tell the workers, no dict built.
+        if out.is_empty() {
+            return Ok((None, None, None));
+        }
+        fn by_id<'py, V: IntoPyObject<'py>>(
+            py: Python<'py>,
+            m: impl IntoIterator<Item = (String, V)>,
+        ) -> PyResult<Option<Bound<'py, PyDict>>> {
+            let d = PyDict::new(py);
+            for (req, v) in m {
+                d.set_item(key_str(py, &req)?, v)?;
+            }
+            Ok((!d.is_empty()).then_some(d))
+        }
+        Ok((
+            by_id(py, out.saves)?,
+            by_id(py, out.loads)?,
+            by_id(py, out.load_blocks)?,
+        ))
+    }
+}
+
+#[pymethods]
+impl PySchedulerMux {
+    /// `children`: per child `(name, supports_hma, lookup_timeout_ms,
+    /// load_timeout_ms, breaker)`; `hooks`: hook name -> one fact per child
+    /// (see `kvmux.children.Children.facts`), a hook left out answered by
+    /// every child with vLLM's default; `hma_fix`: how to run a multi-group
+    /// model with children that lack HMA.
+    #[new]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, hma_fix, logger, stats_every_s = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        children: Vec<ChildSettings>,
+        clash_policy: &str,
+        load_policy: &str,
+        block_size: u64,
+        hooks: &Bound<'_, PyDict>,
+        hma_fix: String,
+        logger: Bound<'_, PyAny>,
+        stats_every_s: f64,
+    ) -> PyResult<Self> {
+        let n = children.len();
+        let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
+        let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
+        let mut names = Vec::with_capacity(n);
+        let (mut hma, mut deadlines, mut load_deadlines, mut breakers) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (name, supports_hma, lookup_ms, load_ms, breaker) in children {
+            names.push(name);
+            hma.push(supports_hma);
+            deadlines.push(lookup_ms.map(|t| ms("lookup_timeout_ms", t)).transpose()?);
+            load_deadlines.push(load_ms.map(|t| ms("load_timeout_ms", t)).transpose()?);
+            breakers.push(
+                breaker
+                    .map(|(failures, cooldown, max)| -> PyResult<BreakerConfig> {
+                        Ok(BreakerConfig {
+                            failures,
+                            cooldown: ms("breaker_cooldown_ms", cooldown)?,
+                            max_cooldown: ms("breaker_max_cooldown_ms", max)?,
+                        })
+                    })
+                    .transpose()?,
+            );
+        }
+        let core = SchedulerMux::new(names, clash, load, block_size)
+            .and_then(|m| m.with_lookup_deadlines(deadlines))
+            .and_then(|m| m.with_breakers(breakers))
+            .and_then(|m| m.with_load_deadlines(load_deadlines))
+            .and_then(|m| m.with_hma(hma, hma_fix))
+            .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
+        let stats_every = Duration::try_from_secs_f64(stats_every_s).map_err(|_| {
+            PyValueError::new_err(format!("stats_every_s must be >= 0, got {stats_every_s}"))
+        })?;
+        let facts = |name: &str| hooks.get_item(name);
+        let no_match = ChildMatch {
+            tokens: Some(0),
+            load_async: false,
+        };
+        let none = || py.None();
+        Ok(Self {
+            lookup: fanout(facts(hook::LOOKUP)?, n, || no_match, to_match)?,
+            alloc: fanout(facts(hook::ALLOC)?, n, || (), |_| Ok(()))?,
+            finished: fanout(facts(hook::FINISHED)?, n, || false, finish_const)?,
+            finished_all_groups: fanout(
+                facts(hook::FINISHED_ALL_GROUPS)?,
+                n,
+                || false,
+                finish_const,
+            )?,
+            partial_tail: fanout(facts(hook::PARTIAL_TAIL)?, n, || false, to_bool)?,
+            on_new_request: fanout(facts(hook::ON_NEW_REQUEST)?, n, none, any_answer)?,
+            build_meta: fanout(facts(hook::BUILD_META)?, n, none, any_answer)?,
+            update_output: fanout(facts(hook::UPDATE_OUTPUT)?, n, none, any_answer)?,
+            child_stats: fanout(facts(hook::STATS)?, n, none, any_answer)?,
+            logger: logger.unbind(),
+            stats_every,
+            core,
+        })
+    }
+
+    /// vLLM's `get_num_new_matched_tokens`: every child asked (those whose
+    /// answer is constant are not called), the loading child chosen by the
+    /// load policy and remembered (`SchedulerMux::lookup`).
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: u64,
+    ) -> PyResult<(Option<u64>, bool)> {
+        let rid = request_id(request)?;
+        let req_id = &*str_key(&rid)?;
+        let got = self
+            .core
+            .lookup(req_id, num_computed_tokens, |i, computed| {
+                answer(
+                    py,
+                    &self.lookup,
+                    i,
+                    |f| f.call1((request, computed)),
+                    |a| to_match(&a),
+                )
+            })
+            .map_err(|e| self.error(py, e))?;
+        self.log(py, self.core.lookup_notices(req_id, &got.contained));
+        Ok((got.tokens, got.load_async))
+    }
+
+    /// vLLM's `update_state_after_alloc` (`SchedulerMux::allocated`).
+    fn update_state_after_alloc(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        num_external_tokens: u64,
+    ) -> PyResult<()> {
+        let rid = request_id(request)?;
+        let load_blocks = || -> PyResult<Vec<Vec<u32>>> {
+            if blocks.is_none() {
+                return Ok(Vec::new());
+            }
+            blocks.call_method0(intern!(py, "get_block_ids"))?.extract()
+        };
+        self.core
+            .allocated(
+                &str_key(&rid)?,
+                num_external_tokens,
+                load_blocks,
+                |i, n| match self.alloc.call(i) {
+                    Some(f) => f
+                        .bind(py)
+                        .call1((request, blocks, n))
+                        .map(drop)
+                        .map_err(|e| raised(py, e)),
+                    None => Ok(()),
+                },
+            )
+            .map_err(|e| self.error(py, e))?;
+        Ok(())
+    }
+
+    /// vLLM's `request_finished`: every child's, with the same blocks
+    /// (`SchedulerMux::finish`).
+    fn request_finished<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        block_ids: Bound<'py, PyAny>,
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        self.finish(py, request, Route::Plain, &block_ids, &block_ids)
+    }
+
+    /// vLLM's `request_finished_all_groups`: routed by the core
+    /// (`SchedulerMux::finish_route`); a request children without HMA
+    /// cannot take raises `KvmuxConfigError` naming them.
+    fn request_finished_all_groups<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        block_ids: Bound<'py, PyAny>,
+    ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
+        let groups = block_ids.len()?;
+        let route = match self.core.finish_route(&request_key(request)?, groups) {
+            Ok(r) => r,
+            Err(e) => return Err(self.error(py, e)),
+        };
+        let one = if groups == 1 {
+            block_ids.get_item(0)?
+        } else {
+            block_ids.clone()
+        };
+        self.finish(py, request, route, &block_ids, &one)
+    }
+
+    /// vLLM's `register_finished_partial_tail`: true when any child keeps
+    /// the request's blocks for a partial tail (`SchedulerMux::partial_tail`).
+    fn register_finished_partial_tail(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+        partial_tail_offloads: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let rid = request_id(request)?;
+        let req_id = &*str_key(&rid)?;
+        let (keep, contained) = self
+            .core
+            .partial_tail(req_id, |i| {
+                answer(
+                    py,
+                    &self.partial_tail,
+                    i,
+                    |f| f.call1((request, block_ids, partial_tail_offloads)),
+                    |a| to_bool(&a),
+                )
+            })
+            .map_err(|e| self.error(py, e))?;
+        self.log(py, self.core.exit_notices(req_id, &contained, &[]));
+        Ok(keep)
+    }
+
+    /// vLLM's `on_new_request`: the children whose hook does something
+    /// hear of the request.
+    fn on_new_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        for (i, f) in self.on_new_request.active() {
+            f.bind(py)
+                .call1((request,))
+                .map_err(|e| self.child_error(py, hook::ON_NEW_REQUEST, i, e))?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `build_connector_meta`, as data: `(every child's metadata in
+    /// config order, saves, loads, load_blocks)`, what the workers must know
+    /// of the requests since the last step (taken once every child has
+    /// answered). The connector makes `KvmuxMetadata` of it.
+    #[allow(clippy::type_complexity)]
+    fn build_connector_meta<'py>(
+        &self,
+        py: Python<'py>,
+        scheduler_output: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Bound<'py, PyTuple>,
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+        Option<Bound<'py, PyDict>>,
+    )> {
+        let metas = self.answers(py, &self.build_meta, hook::BUILD_META, |f| {
+            f.call1((scheduler_output,))
+        })?;
+        let (saves, loads, load_blocks) = self.take_outbox(py)?;
+        Ok((PyTuple::new(py, metas)?, saves, loads, load_blocks))
+    }
+
+    /// vLLM's `update_connector_output`: loads the workers report failed
+    /// (`invalid_block_ids`, `failed_recving`) stop counting as loaded; each
+    /// child whose hook does something sees its own entry of the workers'
+    /// metadata (`plan::worker_meta_entries`; restored afterwards).
+    fn update_connector_output(
+        &self,
+        py: Python<'_>,
+        connector_output: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let output = connector_output;
+        if self.core.watching() {
+            let invalid: Option<HashSet<u32>> = output
+                .getattr(intern!(py, "invalid_block_ids"))?
+                .extract()?;
+            let failed: Option<HashSet<String>> =
+                match output.getattr(intern!(py, "failed_recving")) {
+                    Ok(f) => f.extract()?,
+                    Err(_) => None, // a vLLM without failed_recving
+                };
+            let invalid = invalid.unwrap_or_default();
+            let failed = failed.unwrap_or_default();
+            if !invalid.is_empty() || !failed.is_empty() {
+                self.core
+                    .load_errors(|b| invalid.contains(&b), |r| failed.contains(r));
+            }
+        }
+        if self.core.tracking_loads() {
+            self.hold_completions(py, output)?;
+        }
+        let key = intern!(py, "kv_connector_worker_meta");
+        let worker_meta = output.getattr(key)?;
+        let entries =
+            if worker_meta.is_none() {
+                None
+            } else {
+                let children =
+                    worker_meta
+                        .getattr(intern!(py, "children"))
+                        .ok()
+                        .and_then(|c| c.cast_into::<PyTuple>().ok())
+                        .ok_or_else(|| {
+                            PyTypeError::new_err(format!(
+                        "kvmux got worker metadata of type {}; the workers must run the same \
+                         KvmuxConnector configuration",
+                        worker_meta.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                        })?;
+                Some(children)
+            };
+        let told = worker_meta_entries(&self.update_output, entries.as_ref().map(|c| c.len()))
+            .map_err(PyTypeError::new_err)?;
+        let run = (|| -> PyResult<()> {
+            for (i, entry) in told {
+                if let (Some(children), Some(e)) = (&entries, entry) {
+                    output.setattr(key, children.get_item(e)?)?;
+                }
+                if let Some(f) = self.update_output.call(i) {
+                    f.bind(py)
+                        .call1((output,))
+                        .map_err(|e| self.child_error(py, hook::UPDATE_OUTPUT, i, e))?;
+                }
+            }
+            Ok(())
+        })();
+        if entries.is_some() && self.update_output.any_active() {
+            output.setattr(key, &worker_meta)?;
+        }
+        run
+    }
+
+    /// vLLM's `get_kv_connector_stats` (every step), as data: None when
+    /// there is nothing to report, else `(each child's stats, kvmux's
+    /// counters or None)`; the counters at most once per `stats_every_s`
+    /// and whenever no request is live (the counts wait in the core until
+    /// taken). The connector makes `KvmuxStats` of it.
+    #[allow(clippy::type_complexity)]
+    fn get_kv_connector_stats<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyTuple>, Option<Bound<'py, PyDict>>)>> {
+        let stats = self.answers(py, &self.child_stats, hook::STATS, |f| f.call0())?;
+        let mut counters = match self.core.take_interval_every(self.stats_every) {
+            Some(delta) if !delta.is_zero() => Some(super::counters_dict(
+                py,
+                &delta,
+                true,
+                self.core.clash_policy().as_str(),
+                |i| self.core.name(i),
+            )?),
+            _ => None,
+        };
+        // A breaker changed state: its gauge is reported now.
+        if let Some(states) = self.core.take_breaker_changes() {
+            let gauge = PyDict::new(py);
+            for (i, state) in states.into_iter().enumerate() {
+                if let Some(state) = state {
+                    gauge.set_item(self.core.name(i), state.gauge())?;
+                }
+            }
+            let out = counters.get_or_insert_with(|| PyDict::new(py));
+            out.set_item(intern!(py, "breaker_state"), gauge)?;
+        }
+        if counters.is_none() && stats.iter().all(|s| s.is_none()) {
+            return Ok(None);
+        }
+        Ok(Some((PyTuple::new(py, stats)?, counters)))
+    }
+
+    /// Requests aborted mid-load beside an async save whose last
+    /// completion vLLM still waits for.
+    fn joined_requests(&self) -> usize {
+        self.core.joined_requests()
+    }
+
+    /// The child chosen to load a request, if any.
+    fn chosen(&self, req_id: &Bound<'_, PyString>) -> PyResult<Option<usize>> {
+        Ok(self.core.chosen(&str_key(req_id)?))
+    }
+
+    /// vLLM's hits-by-source split of a request's `num_external_tokens`
+    /// (`SchedulerMux::hit_sources`): `split(i, span)` is child i's own
+    /// split of its span as `(source, tokens)` pairs, or None; `own[i]` its
+    /// own source.
+    fn hit_sources(
+        &self,
+        req_id: &Bound<'_, PyString>,
+        num_external_tokens: u64,
+        split: &Bound<'_, PyAny>,
+        own: Vec<String>,
+    ) -> PyResult<Vec<(String, u64)>> {
+        self.core.hit_sources(
+            &str_key(req_id)?,
+            num_external_tokens,
+            |i, span| split.call1((i, span))?.extract(),
+            |i| own.get(i).cloned().unwrap_or_default(),
+        )
+    }
+
+    /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
+    /// "live_requests": n, "breakers": {name: state}}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = super::counters_dict(
+            py,
+            &self.core.snapshot(),
+            false,
+            self.core.clash_policy().as_str(),
+            |i| self.core.name(i),
+        )?;
+        out.set_item("live_requests", self.core.live_requests())?;
+        let breakers = PyDict::new(py);
+        for i in 0..self.core.n_children() {
+            if let Some(state) = self.core.breaker(i) {
+                breakers.set_item(self.core.name(i), state.as_str())?;
+            }
+        }
+        out.set_item("breakers", breakers)?;
+        Ok(out)
+    }
+
+    /// Requests the multiplexer holds state for.
+    fn __len__(&self) -> usize {
+        self.core.live_requests()
+    }
+}
+
+/// `request.request_id`'s key, owned.
+fn request_key(request: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(str_key(&request_id(request)?)?.into_owned())
+}

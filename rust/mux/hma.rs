@@ -1,0 +1,161 @@
+//! The hybrid KV cache manager (HMA): which finish hook each child gets
+//! when vLLM finishes a request with its blocks per KV cache group
+//! (`request_finished_all_groups`), and the refusal of a request kvmux
+//! cannot finish without losing KV.
+
+use super::hook;
+use super::notice::py_repr;
+
+/// Which children support HMA (take every group), and how to run a
+/// multi-group model with those that do not (for the refusal's message).
+#[derive(Debug, Clone)]
+pub struct Hma {
+    per_child: Vec<bool>,
+    all: bool,
+    fix: String,
+}
+
+/// How a finish of one request fans out: child i gets [`Route::hook`],
+/// with the block ids as vLLM passed them, or with only the one group's
+/// ([`Route::as_passed`] false: a child without HMA).
+#[derive(Debug, Clone, Copy)]
+pub enum Route<'a> {
+    /// vLLM's `request_finished`: every child gets it, blocks as passed.
+    Plain,
+    /// Every child supports HMA: every child gets
+    /// `request_finished_all_groups` with every group.
+    AllGroups,
+    /// One group, some children without HMA (`false` in the flags): they
+    /// get `request_finished` with that group's blocks.
+    Mixed(&'a [bool]),
+}
+
+impl Route<'_> {
+    /// The hook child `i` gets.
+    pub fn hook(&self, i: usize) -> &'static str {
+        match self {
+            Route::Plain => hook::FINISHED,
+            Route::AllGroups => hook::FINISHED_ALL_GROUPS,
+            Route::Mixed(h) if h.get(i).copied().unwrap_or(true) => hook::FINISHED_ALL_GROUPS,
+            Route::Mixed(_) => hook::FINISHED,
+        }
+    }
+
+    /// True when child `i` gets the block ids as vLLM passed them; false
+    /// when it gets the one group's (it lacks HMA).
+    pub fn as_passed(&self, i: usize) -> bool {
+        match self {
+            Route::Plain | Route::AllGroups => true,
+            Route::Mixed(h) => h.get(i).copied().unwrap_or(true),
+        }
+    }
+}
+
+/// A request with several KV cache groups that children without HMA
+/// cannot be given: refused, never silently truncated to one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TooManyGroups {
+    pub groups: usize,
+    /// The children that lack HMA.
+    pub children: Vec<usize>,
+}
+
+impl Hma {
+    /// `per_child[i]`: child i supports HMA; `fix`: how to run a
+    /// multi-group model otherwise (said in the refusal).
+    pub fn new(per_child: Vec<bool>, fix: String) -> Self {
+        Self {
+            all: per_child.iter().all(|&h| h),
+            per_child,
+            fix,
+        }
+    }
+
+    /// vLLM's `request_finished_all_groups` of a request holding KV in
+    /// `groups` KV cache groups: with every child supporting HMA, each gets
+    /// every group; otherwise only one group is legal, and then a child
+    /// with HMA gets it through `request_finished_all_groups`, a child
+    /// without through `request_finished`.
+    pub fn route(&self, groups: usize) -> Result<Route<'_>, TooManyGroups> {
+        if self.all {
+            return Ok(Route::AllGroups);
+        }
+        if groups != 1 {
+            return Err(TooManyGroups {
+                groups,
+                children: (0..self.per_child.len())
+                    .filter(|&i| !self.per_child[i])
+                    .collect(),
+            });
+        }
+        Ok(Route::Mixed(&self.per_child))
+    }
+
+    /// The refusal's message (for `KvmuxConfigError`): the request, the
+    /// group count, the children that lack HMA, and the fixes.
+    pub fn refusal<'a>(
+        &self,
+        req_id: &str,
+        e: &TooManyGroups,
+        name: impl Fn(usize) -> &'a str,
+    ) -> String {
+        let names: Vec<String> = e.children.iter().map(|&i| py_repr(name(i))).collect();
+        format!(
+            "request '{req_id}' holds KV in {} cache groups but children [{}] do not support \
+             the hybrid KV cache manager and can be given only one (they would lose the \
+             others); {}, or use only HMA-capable children",
+            e.groups,
+            names.join(", "),
+            self.fix
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_every_child_hma_capable_each_gets_every_group() {
+        let hma = Hma::new(vec![true, true], String::new());
+        for groups in [1, 2, 5] {
+            let r = hma.route(groups).unwrap();
+            assert!((0..2).all(|i| r.as_passed(i) && r.hook(i) == hook::FINISHED_ALL_GROUPS));
+        }
+    }
+
+    #[test]
+    fn one_group_goes_to_a_child_without_hma_through_request_finished() {
+        let hma = Hma::new(vec![true, false], String::new());
+        let r = hma.route(1).unwrap();
+        assert_eq!(r.hook(0), hook::FINISHED_ALL_GROUPS);
+        assert!(r.as_passed(0));
+        assert_eq!(r.hook(1), hook::FINISHED);
+        assert!(!r.as_passed(1));
+        // vLLM's plain request_finished: every child, blocks as passed.
+        assert!((0..2).all(|i| Route::Plain.hook(i) == hook::FINISHED && Route::Plain.as_passed(i)));
+    }
+
+    #[test]
+    fn several_groups_with_a_child_without_hma_are_refused_naming_it() {
+        let hma = Hma::new(vec![true, false, false], "pass --fix".into());
+        let e = hma.route(2).unwrap_err();
+        assert_eq!(
+            e,
+            TooManyGroups {
+                groups: 2,
+                children: vec![1, 2]
+            }
+        );
+        let names = ["host", "example", "it's"];
+        let msg = hma.refusal("r1", &e, |i| names[i]);
+        assert_eq!(
+            msg,
+            "request 'r1' holds KV in 2 cache groups but children ['example', \"it's\"] do not \
+             support the hybrid KV cache manager and can be given only one (they would lose \
+             the others); pass --fix, or use only HMA-capable children"
+        );
+        // Zero groups is not one group either.
+        assert!(hma.route(0).is_err());
+    }
+}
