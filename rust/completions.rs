@@ -12,7 +12,7 @@
 //!
 //! - a send: when each child that saved the request has reported it (one of
 //!   them for a request the multiplexer never tracked, see
-//!   [`crate::mux::Mux::finish`]); a child reporting it twice counts once;
+//!   [`crate::mux::SchedulerMux::finish`]); a child reporting it twice counts once;
 //! - a receive: when the child that loads the request reports it (each of
 //!   them, when several load spans of it under `compose`); if any of them
 //!   reported its load failed, the request is reported failed too, once the

@@ -156,7 +156,7 @@ pub enum FinishedParams<P, V> {
 }
 
 /// A failure of a child on a request it never took part in, contained by
-/// the multiplexer (see [`Mux::finish`]); the caller logs it.
+/// the multiplexer (see [`SchedulerMux::finish`]); the caller logs it.
 #[derive(Debug)]
 pub struct Contained<E> {
     pub child: usize,
