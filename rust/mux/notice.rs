@@ -30,9 +30,24 @@ impl Level {
     }
 }
 
-/// One thing to log, decided by the core.
+/// What a [`Notice`] tells of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A child failed in a finish hook on a request it never took part in.
+    Contained,
+    /// A child's lookup raised (it has a breaker): a miss for the request.
+    LookupMiss,
+    BreakerOpened,
+    BreakerHalfOpen,
+    BreakerClosed,
+    /// Two sources returned one `kv_transfer_params` key; resolved.
+    Clash,
+}
+
+/// One thing to log, decided by the core: what, how loud, the whole text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notice {
+    pub kind: Kind,
     pub level: Level,
     pub text: String,
 }
@@ -65,20 +80,26 @@ pub fn contained<E: Display>(name: &str, req_id: &str, c: &Contained<E>) -> Noti
     let (level, suffix) = once(c.first);
     let cause = fault_detail(c.hook, &c.fault);
     let (child, hook, req) = (py_repr(name), c.hook, py_repr(req_id));
-    let text = if c.hook == hook::LOOKUP {
-        format!(
+    let (kind, text) = if c.hook == hook::LOOKUP {
+        (
+            Kind::LookupMiss,
+            format!(
             "kvmux: child {child} failed in {hook} for request {req}; contained as a miss (the \
              request goes on without it), counted in its lookup_errors and its \
              breaker{suffix}. Cause: {cause}"
+        ),
         )
     } else {
-        format!(
+        (
+            Kind::Contained,
+            format!(
             "kvmux: child {child} failed in {hook} for request {req}, which it never took part \
              in (it ended before the child looked it up); contained: no async save, no params \
              from this child, counted in its contained_errors{suffix}. Cause: {cause}"
+        ),
         )
     };
-    Notice { level, text }
+    Notice { kind, level, text }
 }
 
 /// A breaker's transition of child `name`: opening is a warning, the probe
@@ -87,6 +108,7 @@ pub fn transition(name: &str, t: &Transition) -> Notice {
     let child = py_repr(name);
     match t.to {
         State::Open => Notice {
+            kind: Kind::BreakerOpened,
             level: Level::Warning,
             text: format!(
                 "kvmux: breaker of child {child} opened after {} failed lookup(s) (deadline \
@@ -97,6 +119,7 @@ pub fn transition(name: &str, t: &Transition) -> Notice {
             ),
         },
         State::HalfOpen => Notice {
+            kind: Kind::BreakerHalfOpen,
             level: Level::Info,
             text: format!(
                 "kvmux: breaker of child {child} half open: request {} probes it",
@@ -104,6 +127,7 @@ pub fn transition(name: &str, t: &Transition) -> Notice {
             ),
         },
         State::Closed => Notice {
+            kind: Kind::BreakerClosed,
             level: Level::Info,
             text: format!(
                 "kvmux: breaker of child {child} closed: its probe was answered; it is asked again"
@@ -123,6 +147,7 @@ pub fn clash<'a>(c: &Clash, policy: &str, name: impl Fn(usize) -> &'a str) -> No
         KeyRule::Own(_) => "it is kvmux's own key, so kvmux's value is kept".to_owned(),
     };
     Notice {
+        kind: Kind::Clash,
         level: Level::Warning,
         text: format!(
             "kvmux: {} and {} both return kv_transfer_params key {}; {how} (warned once per key)",
@@ -188,7 +213,7 @@ mod tests {
             fault: ChildFault::Raised("KeyError: 'r'".to_owned()),
         };
         let n = contained("lm", "r1", &c(true));
-        assert_eq!(n.level, Level::Warning);
+        assert_eq!((n.kind, n.level), (Kind::Contained, Level::Warning));
         assert!(n.text.starts_with(
             "kvmux: child 'lm' failed in request_finished for request 'r1', which it never took"
         ));
@@ -212,6 +237,7 @@ mod tests {
             fault: ChildFault::<String>::Malformed("returned None".into()),
         };
         let n = contained("x", "r", &c);
+        assert_eq!(n.kind, Kind::LookupMiss);
         assert!(n.text.contains("contained as a miss"));
         assert!(n
             .text
@@ -229,7 +255,10 @@ mod tests {
             failures: 3,
         };
         let open = transition("lm", &t(State::Open, None));
-        assert_eq!(open.level, Level::Warning);
+        assert_eq!(
+            (open.kind, open.level),
+            (Kind::BreakerOpened, Level::Warning)
+        );
         assert!(open.text.contains("opened after 3 failed lookup(s)"));
         assert!(open.text.contains("not asked for 2.5 s"));
         let half = transition("lm", &t(State::HalfOpen, Some("r9")));

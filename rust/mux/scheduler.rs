@@ -1166,7 +1166,7 @@ impl SchedulerMux {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mux::notice::Level;
+    use crate::mux::notice::{Kind, Level};
     use proptest::prelude::*;
 
     /// Params of a test child: (key, value) pairs; an empty key stands for
@@ -2233,8 +2233,14 @@ mod tests {
             .lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })
             .unwrap();
         let notices = m.lookup_notices("r", &got.contained);
-        let levels: Vec<_> = notices.iter().map(|n| n.level).collect();
-        assert_eq!(levels, [Level::Warning, Level::Warning]);
+        let kinds: Vec<_> = notices.iter().map(|n| (n.kind, n.level)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (Kind::LookupMiss, Level::Warning),
+                (Kind::BreakerOpened, Level::Warning)
+            ]
+        );
         assert!(notices[0].text.contains("contained as a miss"));
         assert!(notices[1].text.contains("breaker of child 'c0' opened"));
         assert!(
