@@ -1,6 +1,6 @@
-"""A real LMCache multi-process (MP) server on loopback only, for the
-benchmarks (C1L) and kvmux's tests (``tests/lmcache_server.py`` wraps it in
-fixtures; the wheel ships no tests, so the one launcher lives here).
+"""A real LMCache multi-process (MP) server on loopback only, which the
+benchmarks that compare against LMCache start (C1L, ``bench serve``,
+``bench fleet``); the tests reuse it (``tests/lmcache_server.py``).
 
 LMCache's own ``python -m lmcache.v1.multiprocess.server``: a subprocess in
 its own process group on a free 127.0.0.1 port, usage tracking off,
