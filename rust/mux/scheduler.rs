@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use dashmap::{DashMap, DashSet};
 use smallvec::{smallvec, SmallVec};
 
-use super::hma::{Hma, Route};
+use super::hma::{Hma, Route, TooManyGroups};
 use super::notice::{self, Notice};
 use super::*;
 use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
@@ -235,26 +235,32 @@ impl SchedulerMux {
         Ok(self)
     }
 
-    /// vLLM's `request_finished_all_groups` of `req_id`, its KV in `groups`
-    /// cache groups: which hook each child gets, with which blocks
+    /// vLLM's `request_finished_all_groups` of a request holding KV in
+    /// `groups` cache groups: which hook each child gets, with which blocks
     /// ([`Hma::route`]). A request that children without HMA cannot take
-    /// (several groups) is refused, naming them, and its state dropped:
-    /// never truncated to one group.
-    pub fn finish_route<E>(&self, req_id: &str, groups: usize) -> Result<Route<'_>, MuxError<E>> {
-        self.hma.route(groups).map_err(|e| {
-            self.forget(req_id);
-            MuxError::TooManyGroups {
-                request: req_id.to_owned(),
-                groups: e.groups,
-                children: e.children,
-            }
-        })
+    /// (several groups) must be refused ([`SchedulerMux::refuse`]): never
+    /// truncated to one group.
+    #[inline]
+    pub fn finish_route(&self, groups: usize) -> Result<Route<'_>, TooManyGroups> {
+        self.hma.route(groups)
+    }
+
+    /// Refuse `req_id`'s finish ([`SchedulerMux::finish_route`]'s error):
+    /// its state is dropped and the error names the children that lack HMA.
+    #[cold]
+    pub fn refuse<E>(&self, req_id: &str, e: TooManyGroups) -> MuxError<E> {
+        self.forget(req_id);
+        MuxError::TooManyGroups {
+            request: req_id.to_owned(),
+            groups: e.groups,
+            children: e.children,
+        }
     }
 
     /// The message of [`MuxError::TooManyGroups`]: the request, its groups,
     /// the children that lack HMA, and the fixes.
     pub fn refusal(&self, request: &str, groups: usize, children: &[usize]) -> String {
-        let e = super::hma::TooManyGroups {
+        let e = TooManyGroups {
             groups,
             children: children.to_vec(),
         };
@@ -2193,7 +2199,8 @@ mod tests {
             .unwrap();
         m.lookup("r", 0, |_, _| hit(16)).unwrap();
         assert_eq!(m.live_requests(), 1);
-        let err = m.finish_route::<String>("r", 2).unwrap_err();
+        let refused = m.finish_route(2).unwrap_err();
+        let err = m.refuse::<String>("r", refused);
         let MuxError::TooManyGroups {
             ref request,
             groups,
@@ -2214,7 +2221,7 @@ mod tests {
         assert!(m.refusal("r", 2, &[1]).contains("children ['c1']"));
         assert!(m.refusal("r", 2, &[1]).contains("turn HMA off"));
         // One group: the child without HMA gets request_finished.
-        let route = m.finish_route::<String>("s", 1).unwrap();
+        let route = m.finish_route(1).unwrap();
         assert_eq!(
             (route.hook(0), route.hook(1)),
             (hook::FINISHED_ALL_GROUPS, hook::FINISHED)

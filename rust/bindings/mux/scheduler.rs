@@ -506,22 +506,25 @@ impl PySchedulerMux {
 
     /// vLLM's `request_finished_all_groups`: routed by the core
     /// (`SchedulerMux::finish_route`); a request children without HMA
-    /// cannot take raises `KvmuxConfigError` naming them.
+    /// cannot take raises `KvmuxConfigError` naming them
+    /// (`SchedulerMux::refuse`).
     fn request_finished_all_groups<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
         block_ids: Bound<'py, PyAny>,
     ) -> PyResult<(bool, Option<Bound<'py, PyDict>>)> {
-        let groups = block_ids.len()?;
-        let route = match self.core.finish_route(&request_key(request)?, groups) {
+        let route = match self.core.finish_route(block_ids.len()?) {
             Ok(r) => r,
-            Err(e) => return Err(self.error(py, e)),
+            Err(e) => {
+                let req_id = str_key(&request_id(request)?)?.into_owned();
+                return Err(self.error(py, self.core.refuse(&req_id, e)));
+            }
         };
-        let one = if groups == 1 {
-            block_ids.get_item(0)?
-        } else {
-            block_ids.clone()
+        // A child without HMA gets the one group's blocks.
+        let one = match route {
+            Route::Mixed(_) => block_ids.get_item(0)?,
+            _ => block_ids.clone(),
         };
         self.finish(py, request, route, &block_ids, &one)
     }
@@ -749,9 +752,4 @@ impl PySchedulerMux {
     fn __len__(&self) -> usize {
         self.core.live_requests()
     }
-}
-
-/// `request.request_id`'s key, owned.
-fn request_key(request: &Bound<'_, PyAny>) -> PyResult<String> {
-    Ok(str_key(&request_id(request)?)?.into_owned())
 }
