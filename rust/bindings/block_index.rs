@@ -2,12 +2,12 @@
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use std::sync::{Mutex, MutexGuard};
 
 use super::repr;
-use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
+use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
 use crate::error::IndexError;
 
 /// The host tier's block index (see `block_index.rs`) behind one lock: every
@@ -111,9 +111,9 @@ impl PyServablePrefix {
 #[pymethods]
 impl PyHostIndex {
     #[new]
-    #[pyo3(signature = (capacity, groups = 1))]
-    fn new(capacity: usize, groups: usize) -> PyResult<Self> {
-        let index = BlockIndex::with_groups(capacity, groups).map_err(|e| match e {
+    #[pyo3(signature = (capacity, groups = 1, workers = 1))]
+    fn new(capacity: usize, groups: usize, workers: usize) -> PyResult<Self> {
+        let index = BlockIndex::with_workers(capacity, groups, workers).map_err(|e| match e {
             IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
             _ => PyValueError::new_err(e.to_string()),
         })?;
@@ -130,6 +130,11 @@ impl PyHostIndex {
     #[getter]
     fn groups(&self) -> usize {
         self.lock().num_groups()
+    }
+
+    #[getter]
+    fn workers(&self) -> usize {
+        self.lock().workers()
     }
 
     /// Number of leading blocks of `keys` whose `group` blocks are ready.
@@ -178,13 +183,77 @@ impl PyHostIndex {
         Ok(ix.pin_ready_in(group, &keys.slices()))
     }
 
-    /// Reserve slots for `group`'s uncached blocks of `keys`.
-    #[pyo3(signature = (keys, group = 0))]
-    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<PyReservation> {
+    /// Reserve slots for `owner` to save `group`'s uncached blocks of `keys`.
+    #[pyo3(signature = (keys, group = 0, owner = ""))]
+    fn reserve(
+        &self,
+        keys: &Bound<'_, PyList>,
+        group: usize,
+        owner: &str,
+    ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
         let mut ix = self.lock_group(group)?;
-        let (positions, slots) = ix.reserve_in(group, &keys.slices()).into_iter().unzip();
+        let (positions, slots) = ix
+            .reserve_in(group, &keys.slices(), owner)
+            .into_iter()
+            .unzip();
         Ok(PyReservation { positions, slots })
+    }
+
+    /// `acks`: slot -> save acknowledgements, in the dict's order.
+    fn ack_saves(&self, acks: &Bound<'_, PyDict>) -> PyResult<usize> {
+        let acks = slot_counts(acks)?;
+        Ok(self.lock().ack_saves(&acks))
+    }
+
+    /// `acks`: slot -> load acknowledgements, in the dict's order.
+    fn ack_loads(&self, acks: &Bound<'_, PyDict>) -> PyResult<()> {
+        let acks = slot_counts(acks)?;
+        self.lock().ack_loads(&acks);
+        Ok(())
+    }
+
+    fn saving(&self, owner: &str) -> usize {
+        self.lock().saving(owner)
+    }
+
+    /// The events since the last call: `(kind, group, key, owner)` tuples,
+    /// `kind` one of `stored`, `aborted`, `evicted`, `dropped`; `owner`
+    /// None for `evicted` and `dropped`.
+    #[allow(clippy::type_complexity)]
+    fn take_events<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> Vec<(
+        &'static str,
+        u32,
+        Bound<'py, PyBytes>,
+        Option<Bound<'py, PyString>>,
+    )> {
+        let events = self.lock().take_events();
+        events
+            .into_iter()
+            .map(|e| match e {
+                SlotEvent::Stored { group, key, owner } => (
+                    "stored",
+                    group,
+                    PyBytes::new(py, &key),
+                    Some(PyString::new(py, &owner)),
+                ),
+                SlotEvent::Aborted { group, key, owner } => (
+                    "aborted",
+                    group,
+                    PyBytes::new(py, &key),
+                    Some(PyString::new(py, &owner)),
+                ),
+                SlotEvent::Evicted { group, key } => {
+                    ("evicted", group, PyBytes::new(py, &key), None)
+                }
+                SlotEvent::Dropped { group, key } => {
+                    ("dropped", group, PyBytes::new(py, &key), None)
+                }
+            })
+            .collect()
     }
 
     fn commit(&self, slots: Vec<u32>) -> usize {
@@ -251,6 +320,14 @@ impl PyHostIndex {
             })
             .collect()
     }
+}
+
+/// A `{slot: count}` dict as `(slot, count)` pairs, in its order (converted
+/// before the index is locked).
+fn slot_counts(d: &Bound<'_, PyDict>) -> PyResult<Vec<(u32, u32)>> {
+    d.iter()
+        .map(|(k, v)| Ok((k.extract()?, v.extract()?)))
+        .collect()
 }
 
 /// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).
