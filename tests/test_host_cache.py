@@ -129,6 +129,28 @@ def test_pinned_slots_survive_eviction():
     assert ix.stats()["pinned"] == 0
 
 
+def test_the_index_reports_what_it_stores_and_evicts_with_each_saves_owner():
+    """Saves complete once every worker acknowledged them; the index's events
+    say what became readable (with the request that saved it) and what left,
+    and a request id that is not valid UTF-8 comes back as it went in."""
+    ix = HostIndex(2, workers=2)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    owner = "req\ud800"
+    slots = ix.reserve(keys[:2], 0, owner).slots
+    assert ix.saving(owner) == 2
+    assert ix.ack_saves({slots[0]: 1, slots[1]: 2}) == 1  # one worker of two for the first
+    assert ix.ack_saves({slots[0]: 1}) == 1
+    assert ix.saving(owner) == 0
+    ix.reserve(keys[2:], 0, "other")  # evicts the least recent: keys[1]
+    assert ix.take_events() == [
+        ("stored", 0, keys[1], owner),
+        ("stored", 0, keys[0], owner),
+        ("evicted", 0, keys[1], None),
+    ]
+    assert ix.take_events() == []
+    ix.check()
+
+
 def test_a_load_in_flight_pins_its_slots_until_the_worker_confirms(driver_factory):
     d = driver_factory(host_cache(num_blocks=4), write_kv=False)
     d.add("A", PREFIX + [1], max_tokens=1)

@@ -213,7 +213,7 @@ class HostIndex:
     def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
         """Pin the slots of ``group``'s ``keys`` for a load; None (nothing
         pinned) unless all are ready."""
-    def reserve(self, keys: list[bytes], group: int = 0, owner: str = "") -> Reservation:
+    def reserve(self, keys: list[bytes], group: int = 0, owner: str | None = None) -> Reservation:
         """Reserve slots for ``owner`` (a request id) to save ``group``'s
         uncached ``keys``; a ready block evicted for room is an ``evicted``
         event."""

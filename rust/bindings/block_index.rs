@@ -1,9 +1,12 @@
 //! The host tier's index's bindings (`crate::block_index`).
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
+use std::borrow::Cow;
+use std::fmt::Write;
 use std::sync::{Mutex, MutexGuard};
 
 use super::repr;
@@ -184,17 +187,18 @@ impl PyHostIndex {
     }
 
     /// Reserve slots for `owner` to save `group`'s uncached blocks of `keys`.
-    #[pyo3(signature = (keys, group = 0, owner = ""))]
+    #[pyo3(signature = (keys, group = 0, owner = None))]
     fn reserve(
         &self,
         keys: &Bound<'_, PyList>,
         group: usize,
-        owner: &str,
+        owner: Option<&Bound<'_, PyString>>,
     ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
+        let owner = owner.map(owner_key).transpose()?;
         let mut ix = self.lock_group(group)?;
         let (positions, slots) = ix
-            .reserve_in(group, &keys.slices(), owner)
+            .reserve_in(group, &keys.slices(), owner.as_deref().unwrap_or(""))
             .into_iter()
             .unzip();
         Ok(PyReservation { positions, slots })
@@ -213,8 +217,9 @@ impl PyHostIndex {
         Ok(())
     }
 
-    fn saving(&self, owner: &str) -> usize {
-        self.lock().saving(owner)
+    fn saving(&self, owner: &Bound<'_, PyString>) -> PyResult<usize> {
+        let owner = owner_key(owner)?;
+        Ok(self.lock().saving(&owner))
     }
 
     /// The events since the last call: `(kind, group, key, owner)` tuples,
@@ -224,34 +229,38 @@ impl PyHostIndex {
     fn take_events<'py>(
         &self,
         py: Python<'py>,
-    ) -> Vec<(
-        &'static str,
-        u32,
-        Bound<'py, PyBytes>,
-        Option<Bound<'py, PyString>>,
-    )> {
+    ) -> PyResult<
+        Vec<(
+            &'static str,
+            u32,
+            Bound<'py, PyBytes>,
+            Option<Bound<'py, PyString>>,
+        )>,
+    > {
         let events = self.lock().take_events();
         events
             .into_iter()
-            .map(|e| match e {
-                SlotEvent::Stored { group, key, owner } => (
-                    "stored",
-                    group,
-                    PyBytes::new(py, &key),
-                    Some(PyString::new(py, &owner)),
-                ),
-                SlotEvent::Aborted { group, key, owner } => (
-                    "aborted",
-                    group,
-                    PyBytes::new(py, &key),
-                    Some(PyString::new(py, &owner)),
-                ),
-                SlotEvent::Evicted { group, key } => {
-                    ("evicted", group, PyBytes::new(py, &key), None)
-                }
-                SlotEvent::Dropped { group, key } => {
-                    ("dropped", group, PyBytes::new(py, &key), None)
-                }
+            .map(|e| {
+                Ok(match e {
+                    SlotEvent::Stored { group, key, owner } => (
+                        "stored",
+                        group,
+                        PyBytes::new(py, &key),
+                        Some(owner_str(py, &owner)?),
+                    ),
+                    SlotEvent::Aborted { group, key, owner } => (
+                        "aborted",
+                        group,
+                        PyBytes::new(py, &key),
+                        Some(owner_str(py, &owner)?),
+                    ),
+                    SlotEvent::Evicted { group, key } => {
+                        ("evicted", group, PyBytes::new(py, &key), None)
+                    }
+                    SlotEvent::Dropped { group, key } => {
+                        ("dropped", group, PyBytes::new(py, &key), None)
+                    }
+                })
             })
             .collect()
     }
@@ -320,6 +329,44 @@ impl PyHostIndex {
             })
             .collect()
     }
+}
+
+/// Starts the key of an owner that is not valid UTF-8 (see [`owner_key`]);
+/// a noncharacter, so no id vLLM makes starts with it.
+const ESCAPE: char = '\u{FDD0}';
+
+/// A request id (a Python str) as the index's owner: the str itself when it
+/// is valid UTF-8 (every id vLLM makes), else (a lone surrogate, from a
+/// client's request id) the escape followed by the hex of its
+/// `surrogatepass` bytes; distinct strs are distinct owners. The encoding
+/// `bindings/mux.rs`'s `str_key` gives the mux's request keys.
+fn owner_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
+    match s.to_str() {
+        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
+        _ => {
+            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
+            let bytes = raw.cast::<PyBytes>()?.as_bytes();
+            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
+            out.push(ESCAPE);
+            for b in bytes {
+                let _ = write!(out, "{b:02x}");
+            }
+            Ok(Cow::Owned(out))
+        }
+    }
+}
+
+/// The request id whose owner key is `key` (the inverse of [`owner_key`]).
+fn owner_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
+    let Some(hex) = key.strip_prefix(ESCAPE) else {
+        return Ok(PyString::new(py, key));
+    };
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let s =
+        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
+    Ok(s.cast_into::<PyString>()?)
 }
 
 /// A `{slot: count}` dict as `(slot, count)` pairs, in its order (converted
