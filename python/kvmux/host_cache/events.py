@@ -99,7 +99,7 @@ def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
 
 
 class HostEvents:
-    """Turns the host tier's slot changes into vLLM KV cache events."""
+    """Turns the host index's events into vLLM KV cache events."""
 
     def __init__(self, block_size: int, groups: Sequence[GroupSpec]) -> None:
         self.block_size = block_size
