@@ -4,6 +4,9 @@ writes KV that depends only on the prefix, as real KV does)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -11,6 +14,9 @@ from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConfigError, KvmuxHostCache
 from kvmux._core import HostIndex
+from kvmux.bench.sim import make_request
+from kvmux.host_cache.metadata import HostCacheWorkerMetadata
+from kvmux.host_cache.scheduler import HostCacheScheduler
 from kvmux.host_cache.transfer import HostPool, UnsupportedKVLayout, contiguous_runs
 from tests.harness import BLOCK_SIZE, KVTransferConfig, fake_model_output, mux_config, scripted
 
@@ -149,6 +155,27 @@ def test_the_index_reports_what_it_stores_and_evicts_with_each_saves_owner():
     ]
     assert ix.take_events() == []
     ix.check()
+
+
+def test_a_save_is_readable_once_every_worker_confirmed_it():
+    """With two workers a block becomes readable, and counts as stored, only
+    once both confirmed its copy; until then its request's saves are in
+    flight (an async save when it finishes)."""
+    sched = HostCacheScheduler(BLOCK_SIZE, num_slots=8, num_workers=2)
+    req = make_request("A", PREFIX + [1])
+    sched.lookup(req, 0)
+    step = SimpleNamespace(num_scheduled_tokens={"A": len(PREFIX) + 1})
+    blocks = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4],))
+    slots = [s for job in sched.build_meta(step, blocks).saves for s in job.slots]
+    assert len(slots) == 3
+    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # one worker
+    assert sched.index.longest_prefix(sched.keys(req)) == 0
+    assert sched.finished(req) == (True, None)
+    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # the other
+    assert sched.index.longest_prefix(sched.keys(req)) == 3
+    stats = sched.take_stats()
+    assert stats is not None and stats.data["stored_blocks"] == 3
+    sched.index.check()
 
 
 def test_a_load_in_flight_pins_its_slots_until_the_worker_confirms(driver_factory):
