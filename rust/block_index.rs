@@ -20,8 +20,17 @@
 //! pool is shared by the groups (a device block belongs to one group at a
 //! time). `servable_prefix` answers the hybrid lookup: the longest prefix
 //! every group can resume from.
+//!
+//! A slot's whole state is here: its key and group, who saves into it (the
+//! owner, a request id), its pins, and the workers' acknowledgements: a
+//! save is `Writing` until each of the index's `workers` acknowledged its
+//! copy ([`BlockIndex::ack_saves`]), and a load's pin is released once each
+//! worker acknowledged the load ([`BlockIndex::ack_loads`]). What the index
+//! stores, aborts, evicts and drops it reports as [`SlotEvent`]s, collected
+//! until [`BlockIndex::take_events`] drains them.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crate::error::IndexError;
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
@@ -32,6 +41,9 @@ type KeyMap = HashMap<Box<[u8]>, u32, Xxh3DefaultBuilder>;
 
 /// The most KV cache groups an index takes (vLLM's models have a handful).
 pub const MAX_GROUPS: usize = 1024;
+
+/// The most workers whose acknowledgements an index counts.
+pub const MAX_WORKERS: usize = 1 << 16;
 
 const NIL: u32 = u32::MAX;
 
@@ -49,8 +61,38 @@ struct Slot {
     group: u32,
     state: SlotState,
     pins: u32,
+    /// Who saves into it (a request id), while `Writing`.
+    owner: Option<Arc<str>>,
+    /// `Writing`: the workers' save acknowledgements still needed (1 to
+    /// `workers`); 0 otherwise.
+    save_acks: u32,
+    /// `Ready` and pinned: load acknowledgements counted toward releasing
+    /// the next load pin (below `workers`); 0 otherwise.
+    load_acks: u32,
     prev: u32,
     next: u32,
+}
+
+/// What happened to a block, as the index reports it ([`BlockIndex::take_events`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SlotEvent {
+    /// Every worker acknowledged the save (or it was committed): the block
+    /// is readable now.
+    Stored {
+        group: u32,
+        key: Box<[u8]>,
+        owner: Arc<str>,
+    },
+    /// A save failed or was dropped: the block was never readable.
+    Aborted {
+        group: u32,
+        key: Box<[u8]>,
+        owner: Arc<str>,
+    },
+    /// A readable block was evicted (LRU) to make room for a save.
+    Evicted { group: u32, key: Box<[u8]> },
+    /// A readable block was dropped by [`BlockIndex::clear_unpinned`].
+    Dropped { group: u32, key: Box<[u8]> },
 }
 
 /// Lifetime counters of an index.
@@ -98,6 +140,12 @@ pub struct BlockIndex {
     /// Slots with a pin (kept as pins come and go: [`BlockIndex::usage`]
     /// is O(groups), cheap enough for every scheduler step).
     pinned: usize,
+    /// The acknowledgements a save or a load needs: one per worker.
+    workers: u32,
+    /// Owner -> its `Writing` slots (no zero entries).
+    saving: HashMap<Arc<str>, usize>,
+    /// Reported, not yet taken.
+    events: Vec<SlotEvent>,
 }
 
 /// How full an index is now (a gauge's worth, O(groups) to read).
@@ -119,9 +167,27 @@ impl BlockIndex {
     }
 
     /// An index whose `capacity` slots (1 to `u32::MAX - 1`: slots are u32)
-    /// are shared by `groups` key spaces (1 to [`MAX_GROUPS`]). Memory the
-    /// machine cannot give is an [`IndexError::Memory`], never an abort.
+    /// are shared by `groups` key spaces (1 to [`MAX_GROUPS`]), for one
+    /// worker. Memory the machine cannot give is an [`IndexError::Memory`],
+    /// never an abort.
     pub fn with_groups(capacity: usize, groups: usize) -> Result<Self, IndexError> {
+        Self::with_workers(capacity, groups, 1)
+    }
+
+    /// [`BlockIndex::with_groups`] for `workers` workers (1 to
+    /// [`MAX_WORKERS`]): each save and each load needs an acknowledgement
+    /// from every one of them.
+    pub fn with_workers(
+        capacity: usize,
+        groups: usize,
+        workers: usize,
+    ) -> Result<Self, IndexError> {
+        if !(1..=MAX_WORKERS).contains(&workers) {
+            return Err(IndexError::Workers {
+                got: workers,
+                max: MAX_WORKERS,
+            });
+        }
         let max = NIL as usize - 1;
         if !(1..=max).contains(&capacity) {
             return Err(IndexError::Capacity { got: capacity, max });
@@ -155,6 +221,9 @@ impl BlockIndex {
             group: 0,
             state: SlotState::Free,
             pins: 0,
+            owner: None,
+            save_acks: 0,
+            load_acks: 0,
             prev: NIL,
             next: NIL,
         }));
@@ -174,7 +243,15 @@ impl BlockIndex {
             counters: IndexCounters::default(),
             group_counters: vec![IndexCounters::default(); groups],
             pinned: 0,
+            workers: workers as u32,
+            saving: HashMap::new(),
+            events: Vec::new(),
         })
+    }
+
+    /// The acknowledgements each save and each load needs.
+    pub fn workers(&self) -> usize {
+        self.workers as usize
     }
 
     pub fn capacity(&self) -> usize {
@@ -289,22 +366,34 @@ impl BlockIndex {
     }
 
     /// Reserve slots to save the blocks of `keys` that are not cached yet
-    /// (group 0); see [`BlockIndex::reserve_in`].
+    /// (group 0, no owner); see [`BlockIndex::reserve_in`].
     pub fn reserve<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Vec<(usize, u32)> {
-        self.reserve_in(0, keys)
+        self.reserve_in(0, keys, "")
     }
 
-    /// Reserve slots to save `group`'s blocks of `keys` that are not cached
-    /// yet. Returns `(position in keys, slot)` for each reserved block, in
-    /// order; reserved slots are `Writing` and pinned until `commit` or
-    /// `abort`. Cached keys are marked recently used. Stops early when every
-    /// other slot is pinned (the pool is full of in-flight work).
-    pub fn reserve_in<K: AsRef<[u8]>>(&mut self, group: usize, keys: &[K]) -> Vec<(usize, u32)> {
+    /// Reserve slots for `owner` (a request id) to save `group`'s blocks of
+    /// `keys` that are not cached yet. Returns `(position in keys, slot)`
+    /// for each reserved block, in order; reserved slots are `Writing`,
+    /// pinned and owned by `owner` until every worker acknowledged the save
+    /// ([`BlockIndex::ack_saves`]), a `commit` or an `abort`. Cached keys are
+    /// marked recently used. A ready block evicted to make room is reported
+    /// ([`SlotEvent::Evicted`]). Stops early when every other slot is
+    /// pinned (the pool is full of in-flight work).
+    pub fn reserve_in<K: AsRef<[u8]>>(
+        &mut self,
+        group: usize,
+        keys: &[K],
+        owner: &str,
+    ) -> Vec<(usize, u32)> {
         for k in keys {
             if let Some(&s) = self.maps[group].get(k.as_ref()) {
                 self.touch(s);
             }
         }
+        let owner: Arc<str> = match self.saving.get_key_value(owner) {
+            Some((o, _)) => Arc::clone(o),
+            None => Arc::from(owner),
+        };
         let mut out = Vec::new();
         for (pos, k) in keys.iter().enumerate() {
             if self.maps[group].contains_key(k.as_ref()) {
@@ -317,44 +406,75 @@ impl BlockIndex {
             slot.group = group as u32;
             slot.state = SlotState::Writing;
             slot.pins = 1;
+            slot.owner = Some(Arc::clone(&owner));
+            slot.save_acks = self.workers;
             self.pinned += 1;
             self.maps[group].insert(key, s);
             out.push((pos, s));
         }
+        if !out.is_empty() {
+            *self.saving.entry(owner).or_insert(0) += out.len();
+        }
         out
     }
 
-    /// Saves into `slots` are done: they become ready (and unpinned).
-    /// Returns how many were committed (others were not `Writing`).
+    /// Workers acknowledged saves: `(slot, acknowledgements)` pairs. A save
+    /// every worker acknowledged becomes ready ([`SlotEvent::Stored`]);
+    /// acknowledgements of slots not `Writing` are ignored. Returns how
+    /// many saves became ready.
+    pub fn ack_saves(&mut self, acks: &[(u32, u32)]) -> usize {
+        let mut n = 0;
+        for &(s, k) in acks {
+            if self.state(s) != Some(SlotState::Writing) {
+                continue;
+            }
+            let slot = &mut self.slots[s as usize];
+            slot.save_acks = slot.save_acks.saturating_sub(k);
+            if slot.save_acks == 0 {
+                self.make_ready(s);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Saves into `slots` are done, whatever the workers acknowledged: they
+    /// become ready (and unpinned). Returns how many were committed (others
+    /// were not `Writing`).
     pub fn commit(&mut self, slots: &[u32]) -> usize {
         let mut n = 0;
         for &s in slots {
             if self.state(s) == Some(SlotState::Writing) {
-                self.slots[s as usize].state = SlotState::Ready;
-                self.counters.stored += 1;
-                self.group_counters[self.slots[s as usize].group as usize].stored += 1;
-                self.unpin_one(s);
+                self.make_ready(s);
                 n += 1;
             }
         }
         n
     }
 
-    /// Saves into `slots` failed or were dropped: free them.
+    /// Saves into `slots` failed or were dropped: free them
+    /// ([`SlotEvent::Aborted`]). Returns how many were aborted (others were
+    /// not `Writing`).
     pub fn abort(&mut self, slots: &[u32]) -> usize {
         let mut n = 0;
         for &s in slots {
-            if self.state(s) == Some(SlotState::Writing) {
-                self.counters.aborted += 1;
-                self.group_counters[self.slots[s as usize].group as usize].aborted += 1;
-                self.release(s);
-                n += 1;
+            if self.state(s) != Some(SlotState::Writing) {
+                continue;
             }
+            let group = self.slots[s as usize].group;
+            self.counters.aborted += 1;
+            self.group_counters[group as usize].aborted += 1;
+            let owner = self.end_save(s);
+            if let Some(key) = self.release(s) {
+                self.events.push(SlotEvent::Aborted { group, key, owner });
+            }
+            n += 1;
         }
         n
     }
 
-    /// Loads from `slots` are done: unpin them.
+    /// Release a load pin of each of `slots` (ready ones; a slot twice in
+    /// `slots` is unpinned twice).
     pub fn unpin(&mut self, slots: &[u32]) {
         for &s in slots {
             if self.state(s) == Some(SlotState::Ready) {
@@ -363,16 +483,53 @@ impl BlockIndex {
         }
     }
 
-    /// Drop every ready, unpinned block (vLLM's `reset_cache`). Returns the
-    /// number dropped; in-flight work is untouched.
+    /// Workers acknowledged loads: `(slot, acknowledgements)` pairs. Each
+    /// `workers` acknowledgements of a slot release one of its load pins
+    /// (the rest are counted toward the next); acknowledgements of slots no
+    /// load pins are ignored.
+    pub fn ack_loads(&mut self, acks: &[(u32, u32)]) {
+        let workers = u64::from(self.workers);
+        for &(s, k) in acks {
+            let Some(slot) = self.slots.get_mut(s as usize) else {
+                continue;
+            };
+            if slot.state != SlotState::Ready || slot.pins == 0 {
+                continue;
+            }
+            let total = u64::from(slot.load_acks) + u64::from(k);
+            slot.load_acks = (total % workers) as u32;
+            let releases = (total / workers).min(u64::from(slot.pins));
+            for _ in 0..releases {
+                self.unpin_one(s);
+            }
+        }
+    }
+
+    /// Drop every ready, unpinned block (vLLM's `reset_cache`), each
+    /// reported ([`SlotEvent::Dropped`]). Returns the number dropped;
+    /// in-flight work is untouched.
     pub fn clear_unpinned(&mut self) -> usize {
         let mut n = 0;
         while self.head != NIL {
             let s = self.head;
-            self.release(s);
+            let group = self.slots[s as usize].group;
+            if let Some(key) = self.release(s) {
+                self.events.push(SlotEvent::Dropped { group, key });
+            }
             n += 1;
         }
         n
+    }
+
+    /// `owner`'s saves in flight (`Writing` slots).
+    pub fn saving(&self, owner: &str) -> usize {
+        self.saving.get(owner).copied().unwrap_or(0)
+    }
+
+    /// What the index stored, aborted, evicted and dropped since the last
+    /// call, in order.
+    pub fn take_events(&mut self) -> Vec<SlotEvent> {
+        std::mem::take(&mut self.events)
     }
 
     pub fn state(&self, slot: u32) -> Option<SlotState> {
@@ -458,6 +615,26 @@ impl BlockIndex {
         }
         for (i, s) in self.slots.iter().enumerate() {
             let free = self.free.contains(&(i as u32));
+            let acks_ok = match s.state {
+                SlotState::Free => s.save_acks == 0 && s.load_acks == 0 && s.owner.is_none(),
+                SlotState::Writing => {
+                    (1..=self.workers).contains(&s.save_acks)
+                        && s.load_acks == 0
+                        && s.owner.is_some()
+                }
+                SlotState::Ready => {
+                    s.save_acks == 0
+                        && s.owner.is_none()
+                        && s.load_acks < self.workers
+                        && (s.load_acks == 0 || s.pins > 0)
+                }
+            };
+            if !acks_ok {
+                return Err(format!(
+                    "slot {i}: {:?} with owner {:?}, {} save and {} load acks ({} workers, {} pins)",
+                    s.state, s.owner, s.save_acks, s.load_acks, self.workers, s.pins
+                ));
+            }
             match s.state {
                 SlotState::Free if !free || s.key.is_some() || s.pins != 0 => {
                     return Err(format!("slot {i}: free slot not clean"))
@@ -489,6 +666,16 @@ impl BlockIndex {
         if pinned != self.pinned {
             return Err(format!("{pinned} pinned slots, counted {}", self.pinned));
         }
+        let mut saving: HashMap<&str, usize> = HashMap::new();
+        for s in &self.slots {
+            if let Some(o) = &s.owner {
+                *saving.entry(o).or_insert(0) += 1;
+            }
+        }
+        let counted: HashMap<&str, usize> = self.saving.iter().map(|(o, &n)| (&**o, n)).collect();
+        if saving != counted {
+            return Err(format!("saves per owner {saving:?}, counted {counted:?}"));
+        }
         Ok(())
     }
 
@@ -500,25 +687,62 @@ impl BlockIndex {
         if victim == NIL {
             return None;
         }
+        let group = self.slots[victim as usize].group;
         self.counters.evicted += 1;
-        self.group_counters[self.slots[victim as usize].group as usize].evicted += 1;
-        self.release(victim);
+        self.group_counters[group as usize].evicted += 1;
+        if let Some(key) = self.release(victim) {
+            self.events.push(SlotEvent::Evicted { group, key });
+        }
         self.free.pop_first()
     }
 
-    /// Make `s` free: out of the LRU list and the map.
-    fn release(&mut self, s: u32) {
+    /// A `Writing` slot becomes ready: its owner's save ends, it is unpinned
+    /// and reported stored.
+    fn make_ready(&mut self, s: u32) {
+        let owner = self.end_save(s);
+        let slot = &mut self.slots[s as usize];
+        slot.state = SlotState::Ready;
+        let group = slot.group;
+        let key = slot.key.clone().unwrap_or_default();
+        self.counters.stored += 1;
+        self.group_counters[group as usize].stored += 1;
+        self.unpin_one(s);
+        self.events.push(SlotEvent::Stored { group, key, owner });
+    }
+
+    /// The save into `s` ends (ready or aborted): no acknowledgement owed,
+    /// no owner. Returns the owner (empty if it had none).
+    fn end_save(&mut self, s: u32) -> Arc<str> {
+        let slot = &mut self.slots[s as usize];
+        slot.save_acks = 0;
+        let Some(owner) = slot.owner.take() else {
+            return Arc::from("");
+        };
+        if let Some(n) = self.saving.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.saving.remove(&owner);
+            }
+        }
+        owner
+    }
+
+    /// Make `s` free: out of the LRU list and the map. Returns its key.
+    fn release(&mut self, s: u32) -> Option<Box<[u8]>> {
         self.unlink(s);
         let slot = &mut self.slots[s as usize];
-        if let Some(key) = slot.key.take() {
-            self.maps[slot.group as usize].remove(&key);
+        let key = slot.key.take();
+        if let Some(key) = &key {
+            self.maps[slot.group as usize].remove(key);
         }
         slot.state = SlotState::Free;
         if slot.pins > 0 {
             self.pinned -= 1;
         }
         slot.pins = 0;
+        slot.load_acks = 0;
         self.free.insert(s);
+        key
     }
 
     fn pin(&mut self, s: u32) {
@@ -536,6 +760,8 @@ impl BlockIndex {
         }
         slot.pins -= 1;
         if slot.pins == 0 {
+            // No load holds it: no load acknowledgement is owed.
+            slot.load_acks = 0;
             self.pinned -= 1;
             if slot.state == SlotState::Ready {
                 self.push_tail(s);
@@ -688,11 +914,11 @@ mod tests {
         };
         assert_eq!(usage(&ix), (4, 0, 0, vec![0, 0]));
         let w: Vec<u32> = ix
-            .reserve_in(0, &keys(0..2))
+            .reserve_in(0, &keys(0..2), "")
             .into_iter()
             .map(|(_, s)| s)
             .collect();
-        ix.reserve_in(1, &keys(0..1));
+        ix.reserve_in(1, &keys(0..1), "");
         assert_eq!(
             usage(&ix),
             (4, 3, 3, vec![2, 1]),
@@ -744,12 +970,16 @@ mod tests {
     fn the_same_hash_is_a_different_block_in_each_group() {
         let mut ix = BlockIndex::with_groups(8, 2).unwrap();
         let ks = keys(0..3);
-        let s0: Vec<u32> = ix.reserve_in(0, &ks).into_iter().map(|(_, s)| s).collect();
+        let s0: Vec<u32> = ix
+            .reserve_in(0, &ks, "")
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
         ix.commit(&s0);
         assert_eq!(ix.longest_prefix_in(0, &ks), 3);
         assert_eq!(ix.longest_prefix_in(1, &ks), 0);
         let s1: Vec<u32> = ix
-            .reserve_in(1, &ks[1..])
+            .reserve_in(1, &ks[1..], "")
             .into_iter()
             .map(|(_, s)| s)
             .collect();
@@ -768,9 +998,9 @@ mod tests {
     fn eviction_is_one_lru_order_across_groups() {
         let mut ix = BlockIndex::with_groups(2, 2).unwrap();
         save(&mut ix, &keys(0..1));
-        let s = ix.reserve_in(1, &keys(0..1));
+        let s = ix.reserve_in(1, &keys(0..1), "");
         ix.commit(&[s[0].1]);
-        let s = ix.reserve_in(1, &keys(1..2)); // evicts group 0's block, the older
+        let s = ix.reserve_in(1, &keys(1..2), ""); // evicts group 0's block, the older
         ix.commit(&[s[0].1]);
         assert_eq!(ix.longest_prefix_in(0, &keys(0..1)), 0);
         assert_eq!(ix.longest_prefix_in(1, &keys(0..2)), 2);
@@ -780,7 +1010,7 @@ mod tests {
 
     fn ready(ix: &mut BlockIndex, group: usize, ks: &[Vec<u8>]) {
         let s: Vec<u32> = ix
-            .reserve_in(group, ks)
+            .reserve_in(group, ks, "")
             .into_iter()
             .map(|(_, s)| s)
             .collect();
@@ -816,14 +1046,141 @@ mod tests {
         assert_eq!(ix.servable_prefix(&ks, 5, 8, &reach).blocks, 5); // nothing new
     }
 
+    fn owned(ix: &mut BlockIndex, group: usize, ks: &[Vec<u8>], owner: &str) -> Vec<u32> {
+        ix.reserve_in(group, ks, owner)
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect()
+    }
+
+    #[test]
+    fn a_save_is_ready_once_every_worker_acknowledged_it() {
+        let mut ix = BlockIndex::with_workers(8, 1, 3).unwrap();
+        let w = owned(&mut ix, 0, &keys(0..2), "req-a");
+        assert_eq!(ix.saving("req-a"), 2);
+        assert_eq!(ix.ack_saves(&[(w[0], 1), (w[1], 2)]), 0);
+        assert_eq!(ix.ack_saves(&[(w[0], 1)]), 0);
+        assert_eq!(ix.longest_prefix(&keys(0..2)), 0, "not every worker yet");
+        ix.check().unwrap();
+        assert_eq!(ix.ack_saves(&[(w[1], 1), (w[0], 1)]), 2);
+        assert_eq!(ix.longest_prefix(&keys(0..2)), 2);
+        assert_eq!(ix.saving("req-a"), 0);
+        // Late or stray acknowledgements change nothing.
+        assert_eq!(ix.ack_saves(&[(w[0], 1), (99, 1)]), 0);
+        assert_eq!(ix.counters().stored, 2);
+        let owner: Arc<str> = Arc::from("req-a");
+        assert_eq!(
+            ix.take_events(),
+            [
+                SlotEvent::Stored {
+                    group: 0,
+                    key: k(1).into(),
+                    owner: owner.clone()
+                },
+                SlotEvent::Stored {
+                    group: 0,
+                    key: k(0).into(),
+                    owner
+                },
+            ]
+        );
+        assert!(ix.take_events().is_empty(), "taken once");
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn a_load_pin_is_released_once_every_worker_acknowledged_the_load() {
+        let mut ix = BlockIndex::with_workers(4, 1, 2).unwrap();
+        save(&mut ix, &keys(0..1));
+        let s = ix.pin_ready(&keys(0..1)).unwrap()[0];
+        ix.pin_ready(&keys(0..1)).unwrap(); // a second load of the same block
+        ix.ack_loads(&[(s, 1)]);
+        assert_eq!(ix.pins(s), 2, "one worker of two");
+        ix.check().unwrap();
+        ix.ack_loads(&[(s, 2)]); // the first load's second, the next's first
+        assert_eq!(ix.pins(s), 1);
+        ix.ack_loads(&[(s, 1)]);
+        assert_eq!(ix.pins(s), 0);
+        // Acknowledgements of a slot no load pins are ignored.
+        ix.ack_loads(&[(s, 5), (99, 1)]);
+        assert_eq!(ix.pins(s), 0);
+        // A pin released otherwise (an offer dropped) owes nothing after.
+        ix.pin_ready(&keys(0..1)).unwrap();
+        ix.ack_loads(&[(s, 1)]);
+        ix.unpin(&[s]);
+        ix.pin_ready(&keys(0..1)).unwrap();
+        ix.ack_loads(&[(s, 1)]);
+        assert_eq!(ix.pins(s), 1, "the earlier acknowledgement was dropped");
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn evictions_aborts_and_clears_are_reported_with_their_blocks() {
+        let mut ix = BlockIndex::with_groups(2, 2).unwrap();
+        let a = owned(&mut ix, 0, &keys(0..1), "a");
+        ix.commit(&a);
+        let b = owned(&mut ix, 1, &keys(0..1), "b");
+        ix.commit(&b);
+        ix.take_events();
+        let c = owned(&mut ix, 1, &keys(7..8), "c"); // evicts group 0's key 0
+        assert_eq!(
+            ix.take_events(),
+            [SlotEvent::Evicted {
+                group: 0,
+                key: k(0).into()
+            }]
+        );
+        assert_eq!(ix.abort(&c), 1);
+        assert_eq!(ix.saving("c"), 0);
+        assert_eq!(ix.clear_unpinned(), 1);
+        assert_eq!(
+            ix.take_events(),
+            [
+                SlotEvent::Aborted {
+                    group: 1,
+                    key: k(7).into(),
+                    owner: Arc::from("c")
+                },
+                SlotEvent::Dropped {
+                    group: 1,
+                    key: k(0).into()
+                },
+            ]
+        );
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn each_owner_counts_its_saves_in_flight_across_groups() {
+        let mut ix = BlockIndex::with_groups(8, 2).unwrap();
+        let a0 = owned(&mut ix, 0, &keys(0..2), "a");
+        let a1 = owned(&mut ix, 1, &keys(0..1), "a");
+        owned(&mut ix, 0, &keys(5..6), "b");
+        // Already cached or being saved: nothing more reserved, or owed.
+        assert!(owned(&mut ix, 0, &keys(0..2), "c").is_empty());
+        assert_eq!((ix.saving("a"), ix.saving("b"), ix.saving("c")), (3, 1, 0));
+        ix.check().unwrap();
+        ix.abort(&a0[..1]);
+        ix.ack_saves(&[(a0[1], 1)]);
+        assert_eq!(ix.saving("a"), 1);
+        ix.commit(&a1);
+        assert_eq!((ix.saving("a"), ix.saving("b")), (0, 1));
+        ix.check().unwrap();
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
         Save(usize, Vec<u8>),
         Reserve(usize, Vec<u8>),
         CommitOldest,
         AbortOldest,
+        /// Every worker acknowledges the oldest reservation's saves, one
+        /// worker's acknowledgements at a time.
+        AckOldest,
         PinPrefix(usize, u8),
         UnpinOldest,
+        /// Every worker acknowledges the oldest load, one at a time.
+        AckLoadOldest,
         Clear,
     }
 
@@ -832,12 +1189,23 @@ mod tests {
         prop_oneof![
             4 => (0usize..2, ks.clone()).prop_map(|(g, k)| Op::Save(g, k)),
             2 => (0usize..2, ks).prop_map(|(g, k)| Op::Reserve(g, k)),
-            2 => Just(Op::CommitOldest),
+            1 => Just(Op::CommitOldest),
             1 => Just(Op::AbortOldest),
+            2 => Just(Op::AckOldest),
             2 => (0usize..2, 1u8..5).prop_map(|(g, n)| Op::PinPrefix(g, n)),
-            2 => Just(Op::UnpinOldest),
+            1 => Just(Op::UnpinOldest),
+            1 => Just(Op::AckLoadOldest),
             1 => Just(Op::Clear),
         ]
+    }
+
+    /// The (group, key) of every ready slot.
+    fn ready_blocks(ix: &BlockIndex) -> BTreeSet<(u32, Vec<u8>)> {
+        ix.slots
+            .iter()
+            .filter(|s| s.state == SlotState::Ready)
+            .filter_map(|s| Some((s.group, s.key.as_deref()?.to_vec())))
+            .collect()
     }
 
     /// `servable_prefix` by its definition, resume point by resume point.
@@ -871,6 +1239,14 @@ mod tests {
             Some(IndexError::Capacity { got: 0, max })
         );
         assert!(BlockIndex::with_groups(4, 0).is_err());
+        assert_eq!(
+            BlockIndex::with_workers(4, 1, 0).err(),
+            Some(IndexError::Workers {
+                got: 0,
+                max: MAX_WORKERS
+            })
+        );
+        assert!(BlockIndex::with_workers(4, 1, MAX_WORKERS + 1).is_err());
         assert!(BlockIndex::with_groups(max + 1, 1).is_err());
         assert!(BlockIndex::with_groups(4, MAX_GROUPS + 1).is_err());
     }
@@ -886,35 +1262,75 @@ mod tests {
     }
 
     proptest! {
-        /// Under any sequence of operations: the structure stays consistent,
-        /// a pinned slot keeps its key, nothing is ever beyond capacity.
+        /// Under any sequence of operations: the structure stays consistent
+        /// (owners, acknowledgements and pins included), a pinned slot keeps
+        /// its key, nothing is ever beyond capacity, and the events tell
+        /// exactly which blocks are readable.
         #[test]
-        fn invariants_hold(ops in proptest::collection::vec(op(), 1..80), cap in 1usize..10) {
-            let mut ix = BlockIndex::with_groups(cap, 2).unwrap();
-            let mut writing: Vec<Vec<u32>> = Vec::new();
+        fn invariants_hold(
+            ops in proptest::collection::vec(op(), 1..80),
+            cap in 1usize..10,
+            workers in 1usize..4,
+        ) {
+            let mut ix = BlockIndex::with_workers(cap, 2, workers).unwrap();
+            let mut writing: Vec<(String, Vec<u32>)> = Vec::new();
             let mut pins: Vec<(usize, Vec<u32>, Vec<Vec<u8>>)> = Vec::new();
-            for op in ops {
+            let mut announced: BTreeSet<(u32, Vec<u8>)> = BTreeSet::new();
+            for (i, op) in ops.into_iter().enumerate() {
                 match op {
                     Op::Save(g, ks) => { let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect(); ready(&mut ix, g, &ks); }
                     Op::Reserve(g, ks) => {
                         let ks: Vec<Vec<u8>> = ks.into_iter().map(|b| vec![b]).collect();
-                        writing.push(ix.reserve_in(g, &ks).into_iter().map(|(_, s)| s).collect());
+                        let owner = format!("r{}", i % 3);
+                        let w = owned(&mut ix, g, &ks, &owner);
+                        writing.push((owner, w));
                     }
-                    Op::CommitOldest => if !writing.is_empty() { let w = writing.remove(0); ix.commit(&w); },
-                    Op::AbortOldest => if !writing.is_empty() { let w = writing.remove(0); ix.abort(&w); },
+                    Op::CommitOldest => if !writing.is_empty() { let (_, w) = writing.remove(0); ix.commit(&w); },
+                    Op::AbortOldest => if !writing.is_empty() { let (_, w) = writing.remove(0); ix.abort(&w); },
+                    Op::AckOldest => if !writing.is_empty() {
+                        let (_, w) = writing.remove(0);
+                        for _ in 0..workers {
+                            let acks: Vec<(u32, u32)> = w.iter().map(|&s| (s, 1)).collect();
+                            ix.ack_saves(&acks);
+                        }
+                    },
                     Op::PinPrefix(g, n) => {
                         let ks: Vec<Vec<u8>> = (0..n).map(|b| vec![b]).collect();
                         if let Some(s) = ix.pin_ready_in(g, &ks) { pins.push((g, s, ks)); }
                     }
                     Op::UnpinOldest => if !pins.is_empty() { let (_, s, _) = pins.remove(0); ix.unpin(&s); },
+                    Op::AckLoadOldest => if !pins.is_empty() {
+                        let (_, s, _) = pins.remove(0);
+                        for _ in 0..workers {
+                            let acks: Vec<(u32, u32)> = s.iter().map(|&s| (s, 1)).collect();
+                            ix.ack_loads(&acks);
+                        }
+                    },
                     Op::Clear => { ix.clear_unpinned(); }
                 }
+                for e in ix.take_events() {
+                    match e {
+                        SlotEvent::Stored { group, key, .. } => {
+                            prop_assert!(announced.insert((group, key.to_vec())), "stored twice");
+                        }
+                        SlotEvent::Evicted { group, key } | SlotEvent::Dropped { group, key } => {
+                            prop_assert!(announced.remove(&(group, key.to_vec())), "removed unannounced");
+                        }
+                        SlotEvent::Aborted { group, key, .. } => {
+                            prop_assert!(!announced.contains(&(group, key.to_vec())), "aborted a ready block");
+                        }
+                    }
+                }
+                prop_assert_eq!(&announced, &ready_blocks(&ix));
                 prop_assert!(ix.check().is_ok(), "{:?}", ix.check());
+                for (owner, w) in &writing {
+                    prop_assert!(ix.saving(owner) >= w.len());
+                }
                 for (g, slots, ks) in &pins {
                     prop_assert_eq!(ix.longest_prefix_in(*g, ks), ks.len());
                     for &s in slots { prop_assert!(ix.pins(s) > 0); }
                 }
-                for w in &writing {
+                for (_, w) in &writing {
                     for &s in w { prop_assert_eq!(ix.state(s), Some(SlotState::Writing)); }
                 }
                 let (f, w, r, _) = ix.occupancy();

@@ -74,6 +74,8 @@ pub enum IndexError {
     Capacity { got: usize, max: usize },
     #[error("host index groups must be 1 to {max}, got {got}")]
     Groups { got: usize, max: usize },
+    #[error("host index workers must be 1 to {max}, got {got}")]
+    Workers { got: usize, max: usize },
     #[error(
         "host index of {capacity} blocks in {groups} group(s) needs about {bytes} bytes, \
          more than this machine can allocate"

@@ -4,6 +4,9 @@ writes KV that depends only on the prefix, as real KV does)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -11,6 +14,9 @@ from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConfigError, KvmuxHostCache
 from kvmux._core import HostIndex
+from kvmux.bench.sim import make_request
+from kvmux.host_cache.metadata import HostCacheWorkerMetadata
+from kvmux.host_cache.scheduler import HostCacheScheduler
 from kvmux.host_cache.transfer import HostPool, UnsupportedKVLayout, contiguous_runs
 from tests.harness import BLOCK_SIZE, KVTransferConfig, fake_model_output, mux_config, scripted
 
@@ -127,6 +133,49 @@ def test_pinned_slots_survive_eviction():
     ix.abort(got)
     ix.unpin(pinned)
     assert ix.stats()["pinned"] == 0
+
+
+def test_the_index_reports_what_it_stores_and_evicts_with_each_saves_owner():
+    """Saves complete once every worker acknowledged them; the index's events
+    say what became readable (with the request that saved it) and what left,
+    and a request id that is not valid UTF-8 comes back as it went in."""
+    ix = HostIndex(2, workers=2)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    owner = "req\ud800"
+    slots = ix.reserve(keys[:2], 0, owner).slots
+    assert ix.saving(owner) == 2
+    assert ix.ack_saves({slots[0]: 1, slots[1]: 2}) == 1  # one worker of two for the first
+    assert ix.ack_saves({slots[0]: 1}) == 1
+    assert ix.saving(owner) == 0
+    ix.reserve(keys[2:], 0, "other")  # evicts the least recent: keys[1]
+    assert ix.take_events() == [
+        ("stored", 0, keys[1], owner),
+        ("stored", 0, keys[0], owner),
+        ("evicted", 0, keys[1], None),
+    ]
+    assert ix.take_events() == []
+    ix.check()
+
+
+def test_a_save_is_readable_once_every_worker_confirmed_it():
+    """With two workers a block becomes readable, and counts as stored, only
+    once both confirmed its copy; until then its request's saves are in
+    flight (an async save when it finishes)."""
+    sched = HostCacheScheduler(BLOCK_SIZE, num_slots=8, num_workers=2)
+    req = make_request("A", PREFIX + [1])
+    sched.lookup(req, 0)
+    step = SimpleNamespace(num_scheduled_tokens={"A": len(PREFIX) + 1})
+    blocks = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4],))
+    slots = [s for job in sched.build_meta(step, blocks).saves for s in job.slots]
+    assert len(slots) == 3
+    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # one worker
+    assert sched.index.longest_prefix(sched.keys(req)) == 0
+    assert sched.finished(req) == (True, None)
+    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # the other
+    assert sched.index.longest_prefix(sched.keys(req)) == 3
+    stats = sched.take_stats()
+    assert stats is not None and stats.data["stored_blocks"] == 3
+    sched.index.check()
 
 
 def test_a_load_in_flight_pins_its_slots_until_the_worker_confirms(driver_factory):

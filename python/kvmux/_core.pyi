@@ -211,15 +211,21 @@ class ServablePrefix:
 @final
 class HostIndex:
     """The host tier's block index: block hash -> slot, LRU, pins; one key
-    space per KV cache group, one pool of slots and one LRU order."""
+    space per KV cache group, one pool of slots and one LRU order. Each
+    slot's owner (the request saving into it) and the workers'
+    acknowledgements are here too, and what it stores, aborts, evicts and
+    drops it reports as events (:meth:`take_events`)."""
 
-    def __new__(cls, capacity: int, groups: int = 1) -> Self:
+    def __new__(cls, capacity: int, groups: int = 1, workers: int = 1) -> Self:
         """``capacity`` slots shared by ``groups`` key spaces (one per KV
-        cache group)."""
+        cache group); each save and load needs an acknowledgement from each
+        of ``workers`` workers."""
     @property
     def capacity(self) -> int: ...
     @property
     def groups(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
     def longest_prefix(self, keys: list[bytes], group: int = 0) -> int:
         """Leading blocks of ``keys`` whose ``group`` blocks are ready to load."""
     def servable_prefix(
@@ -232,9 +238,25 @@ class HostIndex:
     def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
         """Pin the slots of ``group``'s ``keys`` for a load; None (nothing
         pinned) unless all are ready."""
-    def reserve(self, keys: list[bytes], group: int = 0) -> Reservation:
-        """Reserve slots for ``group``'s uncached ``keys``."""
-    def commit(self, slots: list[int]) -> int: ...
+    def reserve(self, keys: list[bytes], group: int = 0, owner: str | None = None) -> Reservation:
+        """Reserve slots for ``owner`` (a request id) to save ``group``'s
+        uncached ``keys``; a ready block evicted for room is an ``evicted``
+        event."""
+    def ack_saves(self, acks: dict[int, int]) -> int:
+        """Workers acknowledged saves (slot -> acknowledgements): the saves
+        every worker acknowledged become ready (``stored`` events); returns
+        how many."""
+    def ack_loads(self, acks: dict[int, int]) -> None:
+        """Workers acknowledged loads (slot -> acknowledgements): each
+        ``workers`` acknowledgements of a slot release one load pin."""
+    def saving(self, owner: str) -> int:
+        """``owner``'s saves in flight."""
+    def take_events(self) -> list[tuple[str, int, bytes, str | None]]:
+        """What the index did since the last call, in order: ``(kind, group,
+        key, owner)``, ``kind`` one of ``stored``, ``aborted``, ``evicted``
+        and ``dropped`` (``owner`` None for the last two)."""
+    def commit(self, slots: list[int]) -> int:
+        """Complete saves into ``slots`` whatever the workers acknowledged."""
     def abort(self, slots: list[int]) -> int: ...
     def unpin(self, slots: list[int]) -> None: ...
     def clear_unpinned(self) -> int: ...

@@ -1,13 +1,16 @@
 //! The host tier's index's bindings (`crate::block_index`).
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
+use std::borrow::Cow;
+use std::fmt::Write;
 use std::sync::{Mutex, MutexGuard};
 
 use super::repr;
-use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix};
+use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
 use crate::error::IndexError;
 
 /// The host tier's block index (see `block_index.rs`) behind one lock: every
@@ -111,9 +114,9 @@ impl PyServablePrefix {
 #[pymethods]
 impl PyHostIndex {
     #[new]
-    #[pyo3(signature = (capacity, groups = 1))]
-    fn new(capacity: usize, groups: usize) -> PyResult<Self> {
-        let index = BlockIndex::with_groups(capacity, groups).map_err(|e| match e {
+    #[pyo3(signature = (capacity, groups = 1, workers = 1))]
+    fn new(capacity: usize, groups: usize, workers: usize) -> PyResult<Self> {
+        let index = BlockIndex::with_workers(capacity, groups, workers).map_err(|e| match e {
             IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
             _ => PyValueError::new_err(e.to_string()),
         })?;
@@ -130,6 +133,11 @@ impl PyHostIndex {
     #[getter]
     fn groups(&self) -> usize {
         self.lock().num_groups()
+    }
+
+    #[getter]
+    fn workers(&self) -> usize {
+        self.lock().workers()
     }
 
     /// Number of leading blocks of `keys` whose `group` blocks are ready.
@@ -178,13 +186,83 @@ impl PyHostIndex {
         Ok(ix.pin_ready_in(group, &keys.slices()))
     }
 
-    /// Reserve slots for `group`'s uncached blocks of `keys`.
-    #[pyo3(signature = (keys, group = 0))]
-    fn reserve(&self, keys: &Bound<'_, PyList>, group: usize) -> PyResult<PyReservation> {
+    /// Reserve slots for `owner` to save `group`'s uncached blocks of `keys`.
+    #[pyo3(signature = (keys, group = 0, owner = None))]
+    fn reserve(
+        &self,
+        keys: &Bound<'_, PyList>,
+        group: usize,
+        owner: Option<&Bound<'_, PyString>>,
+    ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
+        let owner = owner.map(owner_key).transpose()?;
         let mut ix = self.lock_group(group)?;
-        let (positions, slots) = ix.reserve_in(group, &keys.slices()).into_iter().unzip();
+        let (positions, slots) = ix
+            .reserve_in(group, &keys.slices(), owner.as_deref().unwrap_or(""))
+            .into_iter()
+            .unzip();
         Ok(PyReservation { positions, slots })
+    }
+
+    /// `acks`: slot -> save acknowledgements, in the dict's order.
+    fn ack_saves(&self, acks: &Bound<'_, PyDict>) -> PyResult<usize> {
+        let acks = slot_counts(acks)?;
+        Ok(self.lock().ack_saves(&acks))
+    }
+
+    /// `acks`: slot -> load acknowledgements, in the dict's order.
+    fn ack_loads(&self, acks: &Bound<'_, PyDict>) -> PyResult<()> {
+        let acks = slot_counts(acks)?;
+        self.lock().ack_loads(&acks);
+        Ok(())
+    }
+
+    fn saving(&self, owner: &Bound<'_, PyString>) -> PyResult<usize> {
+        let owner = owner_key(owner)?;
+        Ok(self.lock().saving(&owner))
+    }
+
+    /// The events since the last call: `(kind, group, key, owner)` tuples,
+    /// `kind` one of `stored`, `aborted`, `evicted`, `dropped`; `owner`
+    /// None for `evicted` and `dropped`.
+    #[allow(clippy::type_complexity)]
+    fn take_events<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<
+        Vec<(
+            &'static str,
+            u32,
+            Bound<'py, PyBytes>,
+            Option<Bound<'py, PyString>>,
+        )>,
+    > {
+        let events = self.lock().take_events();
+        events
+            .into_iter()
+            .map(|e| {
+                Ok(match e {
+                    SlotEvent::Stored { group, key, owner } => (
+                        "stored",
+                        group,
+                        PyBytes::new(py, &key),
+                        Some(owner_str(py, &owner)?),
+                    ),
+                    SlotEvent::Aborted { group, key, owner } => (
+                        "aborted",
+                        group,
+                        PyBytes::new(py, &key),
+                        Some(owner_str(py, &owner)?),
+                    ),
+                    SlotEvent::Evicted { group, key } => {
+                        ("evicted", group, PyBytes::new(py, &key), None)
+                    }
+                    SlotEvent::Dropped { group, key } => {
+                        ("dropped", group, PyBytes::new(py, &key), None)
+                    }
+                })
+            })
+            .collect()
     }
 
     fn commit(&self, slots: Vec<u32>) -> usize {
@@ -251,6 +329,52 @@ impl PyHostIndex {
             })
             .collect()
     }
+}
+
+/// Starts the key of an owner that is not valid UTF-8 (see [`owner_key`]);
+/// a noncharacter, so no id vLLM makes starts with it.
+const ESCAPE: char = '\u{FDD0}';
+
+/// A request id (a Python str) as the index's owner: the str itself when it
+/// is valid UTF-8 (every id vLLM makes), else (a lone surrogate, from a
+/// client's request id) the escape followed by the hex of its
+/// `surrogatepass` bytes; distinct strs are distinct owners. The encoding
+/// `bindings/mux.rs`'s `str_key` gives the mux's request keys.
+fn owner_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
+    match s.to_str() {
+        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
+        _ => {
+            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
+            let bytes = raw.cast::<PyBytes>()?.as_bytes();
+            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
+            out.push(ESCAPE);
+            for b in bytes {
+                let _ = write!(out, "{b:02x}");
+            }
+            Ok(Cow::Owned(out))
+        }
+    }
+}
+
+/// The request id whose owner key is `key` (the inverse of [`owner_key`]).
+fn owner_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
+    let Some(hex) = key.strip_prefix(ESCAPE) else {
+        return Ok(PyString::new(py, key));
+    };
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let s =
+        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
+    Ok(s.cast_into::<PyString>()?)
+}
+
+/// A `{slot: count}` dict as `(slot, count)` pairs, in its order (converted
+/// before the index is locked).
+fn slot_counts(d: &Bound<'_, PyDict>) -> PyResult<Vec<(u32, u32)>> {
+    d.iter()
+        .map(|(k, v)| Ok((k.extract()?, v.extract()?)))
+        .collect()
 }
 
 /// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).

@@ -18,15 +18,17 @@ with its parent hash, token ids, LoRA and extra keys, so a router can match
 a CPU block with the GPU block of the same tokens. Under ``KvmuxConnector``
 each event's ``ownership`` also names the child (``kvmux.events``).
 
-A block's event payload is captured when its save is reserved (the request
-is alive then) and kept until the block is announced; the tier remembers
-which block each readable slot holds, so an eviction the Rust index makes
-while reserving a slot is reported for the block that was there.
+What happens to the blocks the Rust index reports itself, as events
+(``HostIndex.take_events``: stored, aborted, evicted, dropped, each with its
+group and block hash); this module formats them for vLLM. A block's event
+payload (tokens, parent, LoRA, extra keys) is captured when its save is
+reserved (the request is alive then) and kept, by group and block hash,
+until the index reports the save stored or aborted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,42 +99,31 @@ def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
 
 
 class HostEvents:
-    """Turns the host tier's slot changes into vLLM KV cache events."""
+    """Turns the host index's events into vLLM KV cache events."""
 
     def __init__(self, block_size: int, groups: Sequence[GroupSpec]) -> None:
         self.block_size = block_size
         self.groups = list(groups)
-        self._saving: dict[int, _Block] = {}  # slot -> block being saved into it
-        self._held: dict[int, tuple[int, bytes]] = {}  # slot -> (group, key) announced
+        # (group, block hash) -> the block being saved, until stored or aborted
+        self._saving: dict[tuple[int, bytes], _Block] = {}
         self._queue: list[KVCacheEvent] = []
 
-    # ------------------------------------------------------ slot changes
+    # ----------------------------------------------------- block changes
 
     def reserved(
-        self,
-        request: Request,
-        keys: Sequence[bytes],
-        group: int,
-        blocks: Sequence[int],
-        slots: Sequence[int],
+        self, request: Request, keys: Sequence[bytes], group: int, blocks: Sequence[int]
     ) -> None:
-        """``slots`` were reserved to save ``request``'s ``blocks`` (indices
-        into ``keys``, its blocks' identities) of ``group``. A slot that held
-        an announced block was evicted for it: that block is removed."""
-        evicted: dict[int, list[bytes]] = {}
-        for s in slots:
-            old = self._held.pop(s, None)
-            if old is not None:
-                evicted.setdefault(old[0], []).append(old[1])
-        self._removed(evicted)
+        """Saves of ``request``'s ``blocks`` (indices into ``keys``, its
+        blocks' identities) of ``group`` were reserved: what their
+        ``BlockStored`` will say."""
         bs = self.block_size
         lora = request.lora_request
         lora_id = lora.adapter_id if lora else None
         lora_name = lora.name if lora else None
         tokens = request.all_token_ids
-        for b, s in zip(blocks, slots, strict=True):
+        for b in blocks:
             start, end = b * bs, (b + 1) * bs
-            self._saving[s] = _Block(
+            self._saving[group, keys[b]] = _Block(
                 request.request_id,
                 group,
                 b,
@@ -144,38 +135,28 @@ class HostEvents:
                 generate_block_hash_extra_keys(request, start, end, 0)[0],
             )
 
-    def committed(self, slots: Sequence[int]) -> None:
-        """Saves into ``slots`` are readable now: their blocks are stored."""
+    def apply(self, events: Sequence[tuple[str, int, bytes, str | None]]) -> None:
+        """The index's events (``HostIndex.take_events``), in order: blocks
+        stored (readable now) are announced, blocks evicted or dropped are
+        removed, aborted saves are forgotten (never announced)."""
         runs: dict[tuple[str, int], list[_Block]] = {}
-        for s in slots:
-            b = self._saving.pop(s, None)
-            if b is None:
-                continue
-            self._held[s] = (b.group, b.key)
-            runs.setdefault((b.req_id, b.group), []).append(b)
-        for blocks in runs.values():
-            blocks.sort(key=lambda b: b.index)
-            run = [blocks[0]]
-            for b in blocks[1:]:
-                if b.index != run[-1].index + 1:
-                    self._queue.append(self._stored(run))
-                    run = []
-                run.append(b)
-            self._queue.append(self._stored(run))
-
-    def aborted(self, slots: Sequence[int]) -> None:
-        """Saves into ``slots`` failed: never announced, nothing to remove."""
-        for s in slots:
-            self._saving.pop(s, None)
-
-    def cleared(self, still_ready: Callable[[bytes, int], bool]) -> None:
-        """``reset_cache`` dropped every readable block not pinned by a load:
-        those that ``still_ready(key, group)`` no longer finds are removed."""
         gone: dict[int, list[bytes]] = {}
-        for s, (g, key) in list(self._held.items()):
-            if not still_ready(key, g):
-                del self._held[s]
-                gone.setdefault(g, []).append(key)
+        for kind, group, key, _ in events:
+            if kind == "stored":
+                if gone:
+                    self._removed(gone)
+                    gone = {}
+                b = self._saving.pop((group, key), None)
+                if b is not None:
+                    runs.setdefault((b.req_id, b.group), []).append(b)
+            elif kind == "aborted":
+                self._saving.pop((group, key), None)
+            else:  # evicted, dropped
+                if runs:
+                    self._stored(runs)
+                    runs = {}
+                gone.setdefault(group, []).append(key)
+        self._stored(runs)
         self._removed(gone)
 
     def take(self) -> list[KVCacheEvent]:
@@ -185,7 +166,20 @@ class HostEvents:
 
     # ----------------------------------------------------------- events
 
-    def _stored(self, run: list[_Block]) -> BlockStored:
+    def _stored(self, runs: dict[tuple[str, int], list[_Block]]) -> None:
+        """``BlockStored`` events for the blocks of each request and group,
+        one per run of consecutive blocks."""
+        for blocks in runs.values():
+            blocks.sort(key=lambda b: b.index)
+            run = [blocks[0]]
+            for b in blocks[1:]:
+                if b.index != run[-1].index + 1:
+                    self._queue.append(self._stored_run(run))
+                    run = []
+                run.append(b)
+            self._queue.append(self._stored_run(run))
+
+    def _stored_run(self, run: list[_Block]) -> BlockStored:
         """One ``BlockStored`` for consecutive blocks of one request and
         group: their hashes, the parent of the first, all their tokens."""
         first = run[0]

@@ -13,6 +13,10 @@ Protocol with the workers (all through vLLM's metadata paths):
   slots (``Writing``: never readable, never evicted) in a :class:`SaveJob`;
   the slots become readable when every worker confirmed the copy, and are
   freed if one failed;
+- the index keeps each slot's whole state (key, group, owner, pins, the
+  workers' confirmations still due) and reports what it stores, evicts and
+  drops as events: this side turns them into the tier's counters and, with
+  vLLM's KV cache events on, into vLLM's events (``events.py``);
 - a request finishing while its saves are unconfirmed returns
   ``async_save=True``; the workers report it finished sending once its
   copies are done, and vLLM keeps its blocks until then.
@@ -78,8 +82,6 @@ class _Req:
     """vLLM's local computed tokens at the latest lookup."""
     saved_blocks: int = 0
     """Leading blocks already saved, being saved, or found cached."""
-    inflight: set[int] = field(default_factory=set)
-    """Reserved slots whose save is not confirmed yet."""
     loaded_tokens: int = 0
     """Tokens this tier supplied the request, each counted once: a request
     preempted and admitted again that reloads a span is not credited twice
@@ -136,25 +138,18 @@ class HostCacheScheduler:
             else ["full_attention" if w is None else "sliding_window" for w in self.windows]
         )
         try:
-            self.index = HostIndex(num_slots, len(self.windows))
+            self.index = HostIndex(num_slots, len(self.windows), num_workers)
         except MemoryError as e:
             raise KvmuxConfigError(
                 f"KvmuxHostCache: the index of {num_slots} blocks cannot be allocated ({e}); "
                 "lower capacity_gib or num_blocks"
             ) from e
-        self.num_workers = num_workers
         self._multi = len(self.windows) > 1
         # Per-group stats for any layout but the plain one (one full group).
         self._per_group = self._multi or self.windows[0] is not None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._finished_async: list[str] = []
-        # slot -> save confirmations still expected from the workers
-        self._save_acks: dict[int, int] = {}
-        self._slot_owner: dict[int, str] = {}
-        self._slot_group: dict[int, int] = {}
-        # slot -> load confirmations received, not yet a whole set of workers
-        self._load_acks: Counter[int] = Counter()
         self.stats = HostCacheStats()
         self.slot_bytes = slot_bytes
         self._usage: tuple[int, int, int, list[int]] | None = None  # last reported
@@ -330,7 +325,7 @@ class HostCacheScheduler:
         meta = HostCacheMetadata(loads=self._loads, finished_async=self._finished_async)
         self._loads, self._finished_async = [], []
         bs = self.block_size
-        evicted_before = None  # read from the index only on steps that reserve
+        reserved = False
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None:
@@ -347,8 +342,6 @@ class HostCacheScheduler:
             full = min((st.request.num_computed_tokens + n_sched) // bs, self.num_keys(st.request))
             if full <= st.saved_blocks:
                 continue
-            if evicted_before is None:
-                evicted_before = self.index.stats()["evicted"]
             first = st.saved_blocks
             keys = self.keys(st.request, first, full)
             all_ids = None
@@ -359,10 +352,11 @@ class HostCacheScheduler:
                         all_ids = kv_cache_manager.get_block_ids(req_id)
                     sub = self._save_positions(st, first, len(keys), all_ids[g], window)
                     self.stats.add(f"group{g}.skipped_blocks", len(keys) - len(sub))
-                got = self.index.reserve(keys if sub is None else [keys[p] for p in sub], g)
+                got = self.index.reserve(keys if sub is None else [keys[p] for p in sub], g, req_id)
                 positions, slots = got.positions, got.slots
                 if not slots:
                     continue
+                reserved = True
                 if sub is not None:
                     positions = [sub[p] for p in positions]
                 lo, hi = st.promoted
@@ -371,8 +365,10 @@ class HostCacheScheduler:
                         "promoted_blocks", sum(1 for p in positions if lo <= first + p < hi)
                     )
                 if self.events is not None:
+                    # What this reservation evicted is removed before it is stored.
+                    self._take_index_events()
                     self.events.reserved(
-                        st.request, self.keys(st.request), g, [first + p for p in positions], slots
+                        st.request, self.keys(st.request), g, [first + p for p in positions]
                     )
                 if all_ids is None:
                     all_ids = kv_cache_manager.get_block_ids(req_id)
@@ -380,63 +376,48 @@ class HostCacheScheduler:
                 meta.saves.append(
                     SaveJob(req_id, tuple(ids[first + p] for p in positions), tuple(slots), g)
                 )
-                st.inflight.update(slots)
                 st.saved_blocks_new += len(slots)
                 st.saved_per_group[g] += len(slots)
-                for s in slots:
-                    self._save_acks[s] = self.num_workers
-                    self._slot_owner[s] = req_id
-                    self._slot_group[s] = g
             st.saved_blocks = full
-        if evicted_before is not None:
-            self.stats.add("evicted_blocks", self.index.stats()["evicted"] - evicted_before)
+        if reserved:
+            self._take_index_events()
         return meta
 
     def worker_output(self, meta: HostCacheWorkerMetadata | None) -> None:
+        """The workers' confirmations: the index aborts the failed saves,
+        makes ready the saves every worker confirmed and releases the loads
+        every worker confirmed."""
         if meta is None:
             return
         if meta.failed_saves:
             self.index.abort(list(meta.failed_saves))
-            if self.events is not None:
-                self.events.aborted(meta.failed_saves)
-            for s in meta.failed_saves:
-                self._forget_save(s)
-        done: list[int] = []
-        groups: Counter[int] = Counter()
-        for s, n in meta.saved.items():
-            left = self._save_acks.get(s)
-            if left is None:
-                continue
-            if left - n <= 0:
-                done.append(s)
-                groups[self._forget_save(s)] += 1
-            else:
-                self._save_acks[s] = left - n
-        if done:
-            self.stats.add("stored_blocks", self.index.commit(done))
-            if self.events is not None:
-                self.events.committed(done)
-            if self._per_group:
-                for g, n in groups.items():
-                    self.stats.add(f"group{g}.stored_blocks", n)
-        unpin = []
-        for s, n in meta.loaded.items():
-            # A load pin is released once every worker has confirmed it.
-            loads, self._load_acks[s] = divmod(self._load_acks[s] + n, self.num_workers)
-            unpin.extend([s] * loads)
-            if not self._load_acks[s]:
-                del self._load_acks[s]
-        if unpin:
-            self.index.unpin(unpin)
+        if meta.saved:
+            self.index.ack_saves(meta.saved)
+        if meta.loaded:
+            self.index.ack_loads(meta.loaded)
+        if meta.failed_saves or meta.saved:
+            self._take_index_events()
 
-    def _forget_save(self, slot: int) -> int:
-        """Drop the bookkeeping of a save into ``slot``; its group."""
-        self._save_acks.pop(slot, None)
-        owner = self._slot_owner.pop(slot, None)
-        st = self._reqs.get(owner) if owner is not None else None
-        if st is not None:
-            st.inflight.discard(slot)
-        return self._slot_group.pop(slot, 0)
+    def _take_index_events(self) -> None:
+        """Count what the index stored and evicted since the last call, and
+        hand it to vLLM's KV cache events when they are on."""
+        events = self.index.take_events()
+        if not events:
+            return
+        stored: Counter[int] = Counter()
+        evicted = 0
+        for kind, group, _, _ in events:
+            if kind == "stored":
+                stored[group] += 1
+            elif kind == "evicted":
+                evicted += 1
+        self.stats.add("stored_blocks", sum(stored.values()))
+        self.stats.add("evicted_blocks", evicted)
+        if self._per_group:
+            for g, n in stored.items():
+                self.stats.add(f"group{g}.stored_blocks", n)
+        if self.events is not None:
+            self.events.apply(events)
 
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """The request ends: ``(async_save, params)``. ``async_save`` is True
@@ -459,7 +440,7 @@ class HostCacheScheduler:
         params = None
         if isinstance(asked, dict) and STATS_KEY in asked:
             params = {STATS_KEY: self._request_stats(st)}
-        if st is None or not st.inflight:
+        if st is None or not st.saved_blocks_new or not self.index.saving(req_id):
             return False, params
         self._finished_async.append(req_id)
         return True, params
@@ -490,9 +471,7 @@ class HostCacheScheduler:
 
     def reset(self) -> bool:
         self.index.clear_unpinned()
-        if self.events is not None:
-            index = self.index
-            self.events.cleared(lambda key, group: index.longest_prefix([key], group) == 1)
+        self._take_index_events()
         return True
 
     def take_events(self) -> list[Any]:
