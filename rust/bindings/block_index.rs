@@ -1,15 +1,12 @@
 //! The host tier's index's bindings (`crate::block_index`).
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
-use std::borrow::Cow;
-use std::fmt::Write;
 use std::sync::{Mutex, MutexGuard};
 
-use super::repr;
+use super::{key_str, repr, str_key};
 use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
 use crate::error::IndexError;
 
@@ -195,7 +192,7 @@ impl PyHostIndex {
         owner: Option<&Bound<'_, PyString>>,
     ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
-        let owner = owner.map(owner_key).transpose()?;
+        let owner = owner.map(str_key).transpose()?;
         let mut ix = self.lock_group(group)?;
         let (positions, slots) = ix
             .reserve_in(group, &keys.slices(), owner.as_deref().unwrap_or(""))
@@ -218,7 +215,7 @@ impl PyHostIndex {
     }
 
     fn saving(&self, owner: &Bound<'_, PyString>) -> PyResult<usize> {
-        let owner = owner_key(owner)?;
+        let owner = str_key(owner)?;
         Ok(self.lock().saving(&owner))
     }
 
@@ -246,13 +243,13 @@ impl PyHostIndex {
                         "stored",
                         group,
                         PyBytes::new(py, &key),
-                        Some(owner_str(py, &owner)?),
+                        Some(key_str(py, &owner)?),
                     ),
                     SlotEvent::Aborted { group, key, owner } => (
                         "aborted",
                         group,
                         PyBytes::new(py, &key),
-                        Some(owner_str(py, &owner)?),
+                        Some(key_str(py, &owner)?),
                     ),
                     SlotEvent::Evicted { group, key } => {
                         ("evicted", group, PyBytes::new(py, &key), None)
@@ -329,44 +326,6 @@ impl PyHostIndex {
             })
             .collect()
     }
-}
-
-/// Starts the key of an owner that is not valid UTF-8 (see [`owner_key`]);
-/// a noncharacter, so no id vLLM makes starts with it.
-const ESCAPE: char = '\u{FDD0}';
-
-/// A request id (a Python str) as the index's owner: the str itself when it
-/// is valid UTF-8 (every id vLLM makes), else (a lone surrogate, from a
-/// client's request id) the escape followed by the hex of its
-/// `surrogatepass` bytes; distinct strs are distinct owners. The encoding
-/// `bindings/mux.rs`'s `str_key` gives the mux's request keys.
-fn owner_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
-    match s.to_str() {
-        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
-        _ => {
-            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
-            let bytes = raw.cast::<PyBytes>()?.as_bytes();
-            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
-            out.push(ESCAPE);
-            for b in bytes {
-                let _ = write!(out, "{b:02x}");
-            }
-            Ok(Cow::Owned(out))
-        }
-    }
-}
-
-/// The request id whose owner key is `key` (the inverse of [`owner_key`]).
-fn owner_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
-    let Some(hex) = key.strip_prefix(ESCAPE) else {
-        return Ok(PyString::new(py, key));
-    };
-    let bytes: Vec<u8> = (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect();
-    let s =
-        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
-    Ok(s.cast_into::<PyString>()?)
 }
 
 /// A `{slot: count}` dict as `(slot, count)` pairs, in its order (converted

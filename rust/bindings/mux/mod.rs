@@ -6,12 +6,9 @@
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 
-use std::borrow::Cow;
-use std::fmt::Write;
-
-use super::repr;
+use super::{key_str, repr, str_key};
 use crate::error::ChildFault;
 use crate::merge::ValueEq;
 use crate::mux::plan::{Fact, Fanout};
@@ -133,44 +130,6 @@ pub(super) fn to_finish<'py>(
 /// A child's `register_finished_partial_tail` answer.
 pub(super) fn to_bool(ans: &Bound<'_, PyAny>) -> Result<bool, ChildFault<PyErr>> {
     ans.is_truthy().map_err(ChildFault::Raised)
-}
-
-/// Starts the key of a str that is not valid UTF-8 (see [`str_key`]); a
-/// noncharacter, so no id vLLM makes starts with it.
-const ESCAPE: char = '\u{FDD0}';
-
-/// A Python str as a Rust key: the str itself when it is valid UTF-8 (every
-/// id vLLM makes), else (a lone surrogate, from a client's request id) the
-/// escape followed by the hex of its `surrogatepass` bytes. Keys are opaque:
-/// any str is one, and distinct strs are distinct keys (a valid str that
-/// starts with the escape is escaped too).
-pub(super) fn str_key<'a>(s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
-    match s.to_str() {
-        Ok(k) if !k.starts_with(ESCAPE) => Ok(Cow::Borrowed(k)),
-        _ => {
-            let raw = s.call_method1(intern!(s.py(), "encode"), ("utf-8", "surrogatepass"))?;
-            let bytes = raw.cast::<PyBytes>()?.as_bytes();
-            let mut out = String::with_capacity(ESCAPE.len_utf8() + 2 * bytes.len());
-            out.push(ESCAPE);
-            for b in bytes {
-                let _ = write!(out, "{b:02x}");
-            }
-            Ok(Cow::Owned(out))
-        }
-    }
-}
-
-/// The Python str whose key is `key` (the inverse of [`str_key`]).
-pub(super) fn key_str<'py>(py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyString>> {
-    let Some(hex) = key.strip_prefix(ESCAPE) else {
-        return Ok(PyString::new(py, key));
-    };
-    let bytes: Vec<u8> = (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect();
-    let s =
-        PyBytes::new(py, &bytes).call_method1(intern!(py, "decode"), ("utf-8", "surrogatepass"))?;
-    Ok(s.cast_into::<PyString>()?)
 }
 
 /// `request.request_id`, as a Python str (its key: [`str_key`]).
