@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LayerHook", "SchedulerHook", "WrongRole"]
+__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "WrongRole"]
 
 
 class _ResolvedHook:
@@ -64,6 +64,24 @@ class LayerHook(_ResolvedHook):
 
     def resolve(self, connector: Any) -> Callable[..., Any]:
         return connector._children.layer_hook(self.name)
+
+
+class QuietHook(_ResolvedHook):
+    """A per-step hook whose answer is empty when no child's hook does
+    anything (every child lacks it or only returns an empty constant):
+    then it is ``empty`` itself, a builtin that answers the empty value
+    with no frame (``tuple``: ``()``; ``bool``: ``False``). Otherwise it is
+    the connector's method named ``combine``, which asks the children."""
+
+    def __init__(self, doc: str, empty: Callable[[], Any], combine: str) -> None:
+        super().__init__(doc)
+        self.empty = empty
+        self.combine = combine
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        if connector._children.silent(self.name):
+            return self.empty
+        return getattr(connector, self.combine)
 
 
 class WrongRole:

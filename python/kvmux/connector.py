@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._hooks import LayerHook, SchedulerHook, WrongRole
+from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, WrongRole
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
@@ -113,7 +113,6 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = MuxWorker(cfg, self._children)
             self._scheduler_mux = WrongRole("scheduler", "worker", "the scheduler's connector")
-        self._events_silent = self._children.silent("take_events")
 
     def _sched(self, hook: str) -> MuxScheduler:
         if self._scheduler is None:
@@ -449,20 +448,36 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         fails is contained."""
     )
 
-    def take_events(self) -> Iterable[Any]:
-        """Every child's KV cache events, in config order, each labelled with
-        the child it came from (``ownership``: the child's name, or
-        ``name/ownership`` when the child set one), identical repeats with
-        nothing between them that changed their blocks dropped (see
-        ``kvmux.events``). vLLM publishes them with its own GPU events."""
-        if self._events_silent:
-            return ()
+    take_events = QuietHook(
+        """``() -> Iterable[KVCacheEvent]``: every child's KV cache events, in
+        config order, each labelled with the child it came from
+        (``ownership``: the child's name, or ``name/ownership`` when the
+        child set one), identical repeats with nothing between them that
+        changed their blocks dropped (see ``kvmux.events``). vLLM publishes
+        them with its own GPU events. ``()`` when no child has events.""",
+        tuple,
+        "_take_events",
+    )
+
+    def _take_events(self) -> Iterable[Any]:
         return self._children.take_events()
 
-    def has_pending_block_frees(self) -> bool:
+    has_pending_block_frees = QuietHook(
+        """``() -> bool``: true when any child still holds blocks to free.""",
+        bool,
+        "_has_pending_block_frees",
+    )
+
+    def _has_pending_block_frees(self) -> bool:
         return self._children.any("has_pending_block_frees")
 
-    def has_pending_push_work(self) -> bool:
+    has_pending_push_work = QuietHook(
+        """``() -> bool``: true when any child has KV still to push.""",
+        bool,
+        "_has_pending_push_work",
+    )
+
+    def _has_pending_push_work(self) -> bool:
         return self._children.any("has_pending_push_work")
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
