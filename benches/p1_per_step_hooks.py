@@ -6,6 +6,7 @@ in turn to compare them: python benches/p1_per_step_hooks.py"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import timeit
@@ -38,8 +39,8 @@ def main() -> None:
         if name not in last:
             continue
         args, kwargs = last[name]
-        fn = getattr(conn, name)
-        best = min(timeit.repeat(lambda: fn(*args, **kwargs), number=20_000, repeat=5))
+        call = functools.partial(getattr(conn, name), *args, **kwargs)
+        best = min(timeit.repeat(call, number=20_000, repeat=5))
         print(f"{name:28s} {best / 20_000 * 1e9:8.0f} ns")
     best = min(timeit.repeat(replay, number=200, repeat=5))
     print(f"{'replay of 64 lifecycles':28s} {best / 200 * 1e6:8.1f} us")
