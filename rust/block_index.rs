@@ -526,6 +526,35 @@ impl BlockIndex {
         self.saving.get(owner).copied().unwrap_or(0)
     }
 
+    /// [`BlockIndex::reserve_in`], with everything the index reported
+    /// since the last drain, the blocks this reservation evicted last: what
+    /// the scheduler needs of one request's save, in one call.
+    pub fn reserve_reporting<K: AsRef<[u8]>>(
+        &mut self,
+        group: usize,
+        keys: &[K],
+        owner: &str,
+    ) -> (Vec<(usize, u32)>, Vec<SlotEvent>) {
+        let reserved = self.reserve_in(group, keys, owner);
+        (reserved, self.take_events())
+    }
+
+    /// The workers' report of one step, at once: the saves that failed are
+    /// aborted, then the save and load acknowledgements counted; returns
+    /// everything the index reported since the last drain (what became
+    /// readable is `Stored`).
+    pub fn workers_reported(
+        &mut self,
+        failed_saves: &[u32],
+        saved: &[(u32, u32)],
+        loaded: &[(u32, u32)],
+    ) -> Vec<SlotEvent> {
+        self.abort(failed_saves);
+        self.ack_saves(saved);
+        self.ack_loads(loaded);
+        self.take_events()
+    }
+
     /// What the index stored, aborted, evicted and dropped since the last
     /// call, in order.
     pub fn take_events(&mut self) -> Vec<SlotEvent> {
@@ -1085,6 +1114,41 @@ mod tests {
             ]
         );
         assert!(ix.take_events().is_empty(), "taken once");
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn a_save_reports_its_evictions_and_its_storing_in_one_call_each() {
+        // Two slots, both ready: a reservation of two new blocks evicts them
+        // and says so with the reservation.
+        let mut ix = BlockIndex::with_workers(2, 1, 2).unwrap();
+        save(&mut ix, &keys(0..2));
+        ix.take_events();
+        let (got, events) = ix.reserve_reporting(0, &keys(5..7), "r");
+        let slots: Vec<u32> = got.iter().map(|&(_, s)| s).collect();
+        assert_eq!(slots.len(), 2);
+        assert!(
+            events
+                .iter()
+                .all(|e| matches!(e, SlotEvent::Evicted { group: 0, .. })),
+            "{events:?}"
+        );
+        assert_eq!(events.len(), 2);
+        // The workers' step: one save failed, the other acknowledged by
+        // both workers (one in this report, one earlier).
+        ix.ack_saves(&[(slots[1], 1)]);
+        let events = ix.workers_reported(&[slots[0]], &[(slots[1], 1)], &[]);
+        let kinds: Vec<&str> = events
+            .iter()
+            .map(|e| match e {
+                SlotEvent::Aborted { .. } => "aborted",
+                SlotEvent::Stored { .. } => "stored",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(kinds, ["aborted", "stored"]);
+        assert_eq!(ix.longest_prefix(&keys(6..7)), 1);
+        assert_eq!(ix.saving("r"), 0);
         ix.check().unwrap();
     }
 

@@ -147,13 +147,17 @@ def test_the_index_reports_what_it_stores_and_evicts_with_each_saves_owner():
     assert ix.ack_saves({slots[0]: 1, slots[1]: 2}) == 1  # one worker of two for the first
     assert ix.ack_saves({slots[0]: 1}) == 1
     assert ix.saving(owner) == 0
-    ix.reserve(keys[2:], 0, "other")  # evicts the least recent: keys[1]
-    assert ix.take_events() == [
+    # The next reservation evicts the least recent, keys[1]; it hands back
+    # everything since the last drain, its eviction last.
+    got = ix.reserve(keys[2:], 0, "other")
+    assert got.events == [
         ("stored", 0, keys[1], owner),
         ("stored", 0, keys[0], owner),
         ("evicted", 0, keys[1], None),
     ]
     assert ix.take_events() == []
+    # The workers' report of a step, in one call: the failed save aborted.
+    assert ix.workers_reported(got.slots, {}, {}) == [("aborted", 0, keys[2], "other")]
     ix.check()
 
 

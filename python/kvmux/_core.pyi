@@ -196,6 +196,10 @@ class Reservation:
     @property
     def slots(self) -> list[int]:
         """The slots reserved: Writing, pinned until ``commit`` or ``abort``."""
+    @property
+    def events(self) -> list[tuple[str, int, bytes, str | None]]:
+        """What the index did since the last drain, this reservation's
+        evictions last (as :meth:`HostIndex.take_events`)."""
 
 @final
 class ServablePrefix:
@@ -255,6 +259,12 @@ class HostIndex:
         """What the index did since the last call, in order: ``(kind, group,
         key, owner)``, ``kind`` one of ``stored``, ``aborted``, ``evicted``
         and ``dropped`` (``owner`` None for the last two)."""
+    def workers_reported(
+        self, failed_saves: list[int], saved: dict[int, int], loaded: dict[int, int]
+    ) -> list[tuple[str, int, bytes, str | None]]:
+        """The workers' report of one step in one call: ``failed_saves``
+        aborted, ``saved`` and ``loaded`` (slot -> acknowledgements)
+        counted; the events since the last drain (:meth:`take_events`)."""
     def commit(self, slots: list[int]) -> int:
         """Complete saves into ``slots`` whatever the workers acknowledged."""
     def abort(self, slots: list[int]) -> int: ...

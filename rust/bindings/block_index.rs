@@ -86,6 +86,9 @@ impl From<ServablePrefix> for PyServablePrefix {
 pub struct PyReservation {
     positions: Vec<usize>,
     slots: Vec<u32>,
+    /// What the index reported since the last drain, this reservation's
+    /// evictions last (as `HostIndex.take_events` gives them).
+    events: Py<PyList>,
 }
 
 #[pymethods]
@@ -187,18 +190,25 @@ impl PyHostIndex {
     #[pyo3(signature = (keys, group = 0, owner = None))]
     fn reserve(
         &self,
+        py: Python<'_>,
         keys: &Bound<'_, PyList>,
         group: usize,
         owner: Option<&Bound<'_, PyString>>,
     ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
         let owner = owner.map(str_key).transpose()?;
-        let mut ix = self.lock_group(group)?;
-        let (positions, slots) = ix
-            .reserve_in(group, &keys.slices(), owner.as_deref().unwrap_or(""))
-            .into_iter()
-            .unzip();
-        Ok(PyReservation { positions, slots })
+        let (reserved, events) = self.lock_group(group)?.reserve_reporting(
+            group,
+            &keys.slices(),
+            owner.as_deref().unwrap_or(""),
+        );
+        let (positions, slots) = reserved.into_iter().unzip();
+        let events = PyList::new(py, events_py(py, events)?)?.unbind();
+        Ok(PyReservation {
+            positions,
+            slots,
+            events,
+        })
     }
 
     /// `acks`: slot -> save acknowledgements, in the dict's order.
@@ -222,44 +232,25 @@ impl PyHostIndex {
     /// The events since the last call: `(kind, group, key, owner)` tuples,
     /// `kind` one of `stored`, `aborted`, `evicted`, `dropped`; `owner`
     /// None for `evicted` and `dropped`.
-    #[allow(clippy::type_complexity)]
-    fn take_events<'py>(
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyEvent<'py>>> {
+        let events = self.lock().take_events();
+        events_py(py, events)
+    }
+
+    /// The workers' report of one step in one call
+    /// (`BlockIndex::workers_reported`): `failed_saves` aborted, `saved` and
+    /// `loaded` (slot -> acknowledgements) counted; the events since the
+    /// last drain, as `take_events` gives them.
+    fn workers_reported<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<
-        Vec<(
-            &'static str,
-            u32,
-            Bound<'py, PyBytes>,
-            Option<Bound<'py, PyString>>,
-        )>,
-    > {
-        let events = self.lock().take_events();
-        events
-            .into_iter()
-            .map(|e| {
-                Ok(match e {
-                    SlotEvent::Stored { group, key, owner } => (
-                        "stored",
-                        group,
-                        PyBytes::new(py, &key),
-                        Some(key_str(py, &owner)?),
-                    ),
-                    SlotEvent::Aborted { group, key, owner } => (
-                        "aborted",
-                        group,
-                        PyBytes::new(py, &key),
-                        Some(key_str(py, &owner)?),
-                    ),
-                    SlotEvent::Evicted { group, key } => {
-                        ("evicted", group, PyBytes::new(py, &key), None)
-                    }
-                    SlotEvent::Dropped { group, key } => {
-                        ("dropped", group, PyBytes::new(py, &key), None)
-                    }
-                })
-            })
-            .collect()
+        failed_saves: Vec<u32>,
+        saved: &Bound<'py, PyDict>,
+        loaded: &Bound<'py, PyDict>,
+    ) -> PyResult<Vec<PyEvent<'py>>> {
+        let (saved, loaded) = (slot_counts(saved)?, slot_counts(loaded)?);
+        let events = self.lock().workers_reported(&failed_saves, &saved, &loaded);
+        events_py(py, events)
     }
 
     fn commit(&self, slots: Vec<u32>) -> usize {
@@ -326,6 +317,43 @@ impl PyHostIndex {
             })
             .collect()
     }
+}
+
+/// An index event as Python sees it: `(kind, group, key, owner)`.
+type PyEvent<'py> = (
+    &'static str,
+    u32,
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyString>>,
+);
+
+/// The index's events as `(kind, group, key, owner)` tuples.
+fn events_py(py: Python<'_>, events: Vec<SlotEvent>) -> PyResult<Vec<PyEvent<'_>>> {
+    events
+        .into_iter()
+        .map(|e| {
+            Ok(match e {
+                SlotEvent::Stored { group, key, owner } => (
+                    "stored",
+                    group,
+                    PyBytes::new(py, &key),
+                    Some(key_str(py, &owner)?),
+                ),
+                SlotEvent::Aborted { group, key, owner } => (
+                    "aborted",
+                    group,
+                    PyBytes::new(py, &key),
+                    Some(key_str(py, &owner)?),
+                ),
+                SlotEvent::Evicted { group, key } => {
+                    ("evicted", group, PyBytes::new(py, &key), None)
+                }
+                SlotEvent::Dropped { group, key } => {
+                    ("dropped", group, PyBytes::new(py, &key), None)
+                }
+            })
+        })
+        .collect()
 }
 
 /// A `{slot: count}` dict as `(slot, count)` pairs, in its order (converted

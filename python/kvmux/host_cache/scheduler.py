@@ -325,7 +325,6 @@ class HostCacheScheduler:
         meta = HostCacheMetadata(loads=self._loads, finished_async=self._finished_async)
         self._loads, self._finished_async = [], []
         bs = self.block_size
-        reserved = False
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None:
@@ -353,10 +352,11 @@ class HostCacheScheduler:
                     sub = self._save_positions(st, first, len(keys), all_ids[g], window)
                     self.stats.add(f"group{g}.skipped_blocks", len(keys) - len(sub))
                 got = self.index.reserve(keys if sub is None else [keys[p] for p in sub], g, req_id)
+                # What this reservation evicted is removed before it is stored.
+                self._apply_index_events(got.events)
                 positions, slots = got.positions, got.slots
                 if not slots:
                     continue
-                reserved = True
                 if sub is not None:
                     positions = [sub[p] for p in positions]
                 lo, hi = st.promoted
@@ -365,8 +365,6 @@ class HostCacheScheduler:
                         "promoted_blocks", sum(1 for p in positions if lo <= first + p < hi)
                     )
                 if self.events is not None:
-                    # What this reservation evicted is removed before it is stored.
-                    self._take_index_events()
                     self.events.reserved(
                         st.request, self.keys(st.request), g, [first + p for p in positions]
                     )
@@ -379,29 +377,21 @@ class HostCacheScheduler:
                 st.saved_blocks_new += len(slots)
                 st.saved_per_group[g] += len(slots)
             st.saved_blocks = full
-        if reserved:
-            self._take_index_events()
         return meta
 
     def worker_output(self, meta: HostCacheWorkerMetadata | None) -> None:
         """The workers' confirmations: the index aborts the failed saves,
         makes ready the saves every worker confirmed and releases the loads
         every worker confirmed."""
-        if meta is None:
+        if meta is None or not (meta.failed_saves or meta.saved or meta.loaded):
             return
-        if meta.failed_saves:
-            self.index.abort(list(meta.failed_saves))
-        if meta.saved:
-            self.index.ack_saves(meta.saved)
-        if meta.loaded:
-            self.index.ack_loads(meta.loaded)
-        if meta.failed_saves or meta.saved:
-            self._take_index_events()
+        self._apply_index_events(
+            self.index.workers_reported(list(meta.failed_saves), meta.saved, meta.loaded)
+        )
 
-    def _take_index_events(self) -> None:
-        """Count what the index stored and evicted since the last call, and
-        hand it to vLLM's KV cache events when they are on."""
-        events = self.index.take_events()
+    def _apply_index_events(self, events: list[tuple[str, int, bytes, str | None]]) -> None:
+        """Count what the index reports it stored and evicted, and hand it
+        to vLLM's KV cache events when they are on."""
         if not events:
             return
         stored: Counter[int] = Counter()
@@ -471,7 +461,7 @@ class HostCacheScheduler:
 
     def reset(self) -> bool:
         self.index.clear_unpinned()
-        self._take_index_events()
+        self._apply_index_events(self.index.take_events())
         return True
 
     def take_events(self) -> list[Any]:
