@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "WrongRole"]
+__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "WrongRole", "wrong_role"]
 
 
 class _ResolvedHook:
@@ -84,16 +84,28 @@ class QuietHook(_ResolvedHook):
         return getattr(connector, self.combine)
 
 
+#: Each side's wrong role and where its hooks belong, for :func:`wrong_role`.
+_ROLES = {
+    "scheduler": ("worker", "the scheduler's connector"),
+    "worker": ("scheduler", "a worker's connector"),
+}
+
+
+def wrong_role(hook: str, side: str) -> RuntimeError:
+    """The error of calling ``side``'s ``hook`` on a connector built for the
+    other role."""
+    role, where = _ROLES[side]
+    return RuntimeError(
+        f"kvmux: {hook} is a {side}-side hook, and this KvmuxConnector was "
+        f"built for the {role} role; call it on {where}"
+    )
+
+
 class WrongRole:
     """Stands for the side a connector was not built for: any use says so."""
 
-    def __init__(self, side: str, role: str, where: str) -> None:
+    def __init__(self, side: str) -> None:
         self._side = side
-        self._role = role
-        self._where = where
 
     def __getattr__(self, hook: str) -> Any:
-        raise RuntimeError(
-            f"kvmux: {hook} is a {self._side}-side hook, and this KvmuxConnector was "
-            f"built for the {self._role} role; call it on {self._where}"
-        )
+        raise wrong_role(hook, self._side)

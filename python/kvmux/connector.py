@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, WrongRole
+from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, WrongRole, wrong_role
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
@@ -112,22 +112,16 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler_mux: Any = self._scheduler.mux
         else:
             self._worker = MuxWorker(cfg, self._children)
-            self._scheduler_mux = WrongRole("scheduler", "worker", "the scheduler's connector")
+            self._scheduler_mux = WrongRole("scheduler")
 
     def _sched(self, hook: str) -> MuxScheduler:
         if self._scheduler is None:
-            raise RuntimeError(
-                f"kvmux: {hook} is a scheduler-side hook, and this KvmuxConnector was "
-                "built for the worker role; call it on the scheduler's connector"
-            )
+            raise wrong_role(hook, "scheduler")
         return self._scheduler
 
     def _work(self, hook: str) -> MuxWorker:
         if self._worker is None:
-            raise RuntimeError(
-                f"kvmux: {hook} is a worker-side hook, and this KvmuxConnector was "
-                "built for the scheduler role; call it on a worker's connector"
-            )
+            raise wrong_role(hook, "worker")
         return self._worker
 
     # ------------------------------------------------------------------ info

@@ -33,11 +33,21 @@ pub enum Route<'a> {
 impl Route<'_> {
     /// The hook child `i` gets.
     pub fn hook(&self, i: usize) -> &'static str {
+        if self.all_groups_hook(i) {
+            hook::FINISHED_ALL_GROUPS
+        } else {
+            hook::FINISHED
+        }
+    }
+
+    /// True when child `i` gets `request_finished_all_groups` (false:
+    /// `request_finished`).
+    #[inline]
+    pub fn all_groups_hook(&self, i: usize) -> bool {
         match self {
-            Route::Plain => hook::FINISHED,
-            Route::AllGroups => hook::FINISHED_ALL_GROUPS,
-            Route::Mixed(h) if h.get(i).copied().unwrap_or(true) => hook::FINISHED_ALL_GROUPS,
-            Route::Mixed(_) => hook::FINISHED,
+            Route::Plain => false,
+            Route::AllGroups => true,
+            Route::Mixed(_) => self.as_passed(i),
         }
     }
 

@@ -187,6 +187,12 @@ pub(super) fn fanout<T>(
     Ok(Fanout::decide(facts, default))
 }
 
+/// A duration in milliseconds from Python, named for the error.
+pub(super) fn ms(what: &str, ms: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(ms / 1000.0)
+        .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 milliseconds, got {ms}")))
+}
+
 /// A constant Python answer, taken as it is.
 pub(super) fn any_answer(a: &Bound<'_, PyAny>) -> Result<Py<PyAny>, ChildFault<PyErr>> {
     Ok(a.clone().unbind())

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use super::super::raise;
 use super::{
-    answer, any_answer, fanout, key_str, raised, request_id, str_key, to_bool, to_finish, to_match,
-    PyParams,
+    answer, any_answer, fanout, key_str, ms, raised, request_id, str_key, to_bool, to_finish,
+    to_match, PyParams,
 };
 use crate::breaker::BreakerConfig;
 use crate::error::{ChildFault, MuxError};
@@ -50,12 +50,6 @@ pub struct PySchedulerMux {
     update_output: Plan<Py<PyAny>>,
     child_stats: Plan<Py<PyAny>>,
     stats_every: Duration,
-}
-
-/// A duration in milliseconds from Python, named for the error.
-fn ms(what: &str, ms: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(ms / 1000.0)
-        .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 milliseconds, got {ms}")))
 }
 
 /// A constant finish answer: an async-save flag (constant params are not
@@ -212,7 +206,7 @@ impl PySchedulerMux {
             Ok(PyParams(d))
         };
         let call = |i: usize| {
-            let plan = if route.hook(i) == hook::FINISHED_ALL_GROUPS {
+            let plan = if route.all_groups_hook(i) {
                 &self.finished_all_groups
             } else {
                 &self.finished

@@ -5,9 +5,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySet, PyString};
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::{counters_dict, str_key};
+use super::{counters_dict, ms, str_key};
 use crate::error::MuxError;
 use crate::mux::WorkerMux;
 
@@ -71,16 +71,7 @@ impl PyWorkerMux {
     fn new(names: Vec<String>, load_timeouts_ms: Vec<Option<f64>>) -> PyResult<Self> {
         let deadlines = load_timeouts_ms
             .into_iter()
-            .map(|t| {
-                t.map(|ms| {
-                    Duration::try_from_secs_f64(ms / 1000.0).map_err(|_| {
-                        PyValueError::new_err(format!(
-                            "load_timeout_ms must be >= 0 milliseconds, got {ms}"
-                        ))
-                    })
-                })
-                .transpose()
-            })
+            .map(|t| t.map(|t| ms("load_timeout_ms", t)).transpose())
             .collect::<PyResult<Vec<_>>>()?;
         let core = WorkerMux::new(names, deadlines)
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
