@@ -360,6 +360,10 @@ class SoakOptions:
     heartbeat, so the worker sees it gone and re-registers when it is back
     (README: "LMCache re-registers only on its heartbeat's unhealthy-to-
     healthy edge")."""
+    heal_s: float = 20.0
+    """Seconds of load LMCache must be back for before the load ends: no
+    kill is started later than ``down_s + heal_s`` before the end, so the
+    leftovers are checked with LMCache re-registered (two heartbeats)."""
     wipe_every_s: float = 3.0
     seed: int = 23
     skip: frozenset[str] = frozenset()
@@ -466,6 +470,7 @@ class Soak:
         self.stop = threading.Event()
         self.prompts = WORKLOAD.prompts()
         self.ref: list[Answer] = []
+        self.load_ends = 0.0
         self.hostile = {k: v for k, v in hostile_params().items() if k not in opts.skip}
         self.fields = {k: v for k, v in hostile_fields().items() if k not in opts.skip}
         self.errors: list[str] = []
@@ -595,14 +600,16 @@ class Soak:
         if self.stop.wait(o.first_kill_s):
             return
         while True:
+            if time.monotonic() + o.down_s + o.heal_s > self.load_ends:
+                return
             self.lmcache.kill()
             self.tally.add("lmcache_kills")
-            # Down for the whole ``down_s`` even when the load ends sooner:
-            # a server back before the worker's heartbeat saw it gone is
-            # never re-registered (README), and every later store then waits
-            # 2 x ``mq_timeout`` on the engine's thread. (Restarted at once on
-            # stop, a kill 5 s before the end left the leftovers' 24 probes
-            # 20 s each: CI's soak ran out of its 240 s.)
+            # Down for the whole ``down_s``: a server back before the
+            # worker's heartbeat saw it gone is never re-registered (README),
+            # and every later store then waits 2 x ``mq_timeout`` on the
+            # engine's thread. A kill 5 s before the end (the short soak's
+            # second, before ``heal_s``) twice left the leftovers' 24 probes
+            # 20 s each, and CI's soak ran out of its 240 s.
             time.sleep(o.down_s)
             self.lmcache.start()
             self.tally.add("lmcache_restarts")
@@ -651,6 +658,7 @@ class Soak:
 
     def load(self, seconds: float, with_faults: bool) -> None:
         self.stop.clear()
+        self.load_ends = time.monotonic() + seconds
         threads = [
             threading.Thread(target=self._guard(f"client{i}", lambda i=i: self.client(i)))
             for i in range(self.opts.clients)
@@ -680,9 +688,44 @@ def _poll(server: Server, seconds: float, done: Callable[[Samples], bool]) -> Sa
 
 
 def leftovers(soak: Soak, deadline: Deadline) -> dict[str, Any]:
-    """What is left once the clients are gone (see the module docstring)."""
-    server, out = soak.server, {}
+    """What is left once the clients are gone (see the module docstring).
+
+    Each phase's seconds are kept (``phase_s``); when ``deadline`` runs out
+    the phase it ran out in is ``budget_spent_in`` and what was read before
+    is kept, so a failure says where the time went."""
+    out: dict[str, Any] = {}
+    phases: dict[str, float] = {}
+    out["phase_s"] = phases
+    phase = "start"
+    t = time.monotonic()
+
+    def enter(name: str) -> None:
+        nonlocal phase, t
+        now = time.monotonic()
+        phases[phase] = round(now - t, 1)
+        phase, t = name, now
+
     http = httpx.Client()
+    try:
+        _leftovers(soak, deadline, http, out, enter)
+        enter("done")
+    except TimeoutError:
+        enter("done")
+        out["budget_spent_in"] = list(phases)[-1]
+    finally:
+        http.close()
+        phases.pop("start", None)
+    return out
+
+
+def _leftovers(
+    soak: Soak,
+    deadline: Deadline,
+    http: httpx.Client,
+    out: dict[str, Any],
+    enter: Callable[[str], None],
+) -> None:
+    server = soak.server
 
     def idle(s: Samples) -> bool:
         return (
@@ -690,13 +733,15 @@ def leftovers(soak: Soak, deadline: Deadline) -> dict[str, Any]:
             and metric(s, "vllm:num_requests_waiting") == 0
         )
 
-    s = _poll(server, min(90, deadline.left()), idle)
+    enter("idle")
+    s = _poll(server, deadline.left(90), idle)
     out["running"] = int(metric(s, "vllm:num_requests_running"))
     out["kv_usage"] = metric(s, "vllm:kv_cache_usage_perc")
     out["waiting"] = int(metric(s, "vllm:num_requests_waiting"))
+    enter("reset")
     ok = False
     for _ in range(20):
-        r = http.post(server.base_url + "/reset_prefix_cache", timeout=60)
+        r = http.post(server.base_url + "/reset_prefix_cache", timeout=deadline.left(60))
         if r.status_code == 200 and r.json().get("success") is True:
             ok = True
             break
@@ -705,14 +750,19 @@ def leftovers(soak: Soak, deadline: Deadline) -> dict[str, Any]:
     # Then the tiers too: the host tier drops every block not pinned (vLLM
     # resets the connector whatever vLLM's own reset answered; LMCache's
     # CLEAR may fail after a restart, and the answer is then false).
-    r = http.post(server.base_url + "/reset_prefix_cache?reset_external=true", timeout=60)
+    enter("external_reset")
+    r = http.post(
+        server.base_url + "/reset_prefix_cache?reset_external=true", timeout=deadline.left(60)
+    )
     out["external_reset"] = r.status_code == 200 and r.json().get("success") is True
     # Pin probe: the host tier dropped every unpinned block; nothing of the
     # workload may load from it now. (Each probe also steps the engine, so
     # the workers' last counters are reported.)
+    enter("probes")
     pinned_hits = 0
     wrong = 0
     for i, p in enumerate(soak.prompts):
+        deadline.left()
         a = complete(
             http,
             soak.url,
@@ -734,11 +784,15 @@ def leftovers(soak: Soak, deadline: Deadline) -> dict[str, Any]:
                 == metric(s, "kvmux_save_completions_total", connector=c)
                 for c in children
             )
+            # Every request vLLM finished went through kvmux's finish (the
+            # aborted ones may have finished in the engine first: the
+            # check's upper bound).
             and metric(s, "kvmux_finished_requests_total")
-            == metric(s, "vllm:request_success_total") + soak.tally.counts["aborted"]
+            >= metric(s, "vllm:request_success_total")
         )
 
-    s = _poll(server, min(60, deadline.left()), settled)
+    enter("settle")
+    s = _poll(server, deadline.left(60), settled)
     children = sorted({lab.get("connector") for lab, _ in s.get("kvmux_async_saves_total", [])})
     out["pending_saves"] = {
         c: int(
@@ -757,8 +811,6 @@ def leftovers(soak: Soak, deadline: Deadline) -> dict[str, Any]:
     out["host_loads"] = int(metric(s, "kvmux_loads_total", connector="KvmuxHostCache"))
     out["lmcache_loads"] = int(metric(s, "kvmux_loads_total", connector="LMCacheMPConnector"))
     out["extra_cached_tokens"] = int(metric(s, "kvmux_extra_cached_tokens_total"))
-    http.close()
-    return out
 
 
 #: vLLM's own refusals of hostile input, logged with a traceback each.

