@@ -17,6 +17,7 @@ __all__ = [
     "SCHEDULER_HOOKS",
     "TOTAL_COUNTERS",
     "HostIndex",
+    "KvmuxMetadata",
     "Reservation",
     "SchedulerMux",
     "ServablePrefix",
@@ -50,6 +51,35 @@ def fan_out(facts: list[tuple[str, Any] | None]) -> tuple[list[int], list[Any]]:
     each child's fact (None: it lacks the hook; ``("constant", answer)``;
     ``("works", bound method)``), ``(indices of the children to call, every
     child's constant answer)``."""
+@final
+class KvmuxMetadata:
+    """Scheduler -> workers, once per step (``kvmux.metadata``; a vLLM
+    ``KVConnectorMetadata`` by registration). Read-only; pickles by value."""
+
+    def __new__(
+        cls,
+        children: Any,
+        saves: dict[str, tuple[int, int]] | None = None,
+        loads: dict[str, int] | None = None,
+        load_blocks: dict[str, list[int]] | None = None,
+    ) -> Self: ...
+    @property
+    def children(self) -> tuple[Any, ...]:
+        """Each child's own metadata, in config order."""
+    @property
+    def saves(self) -> dict[str, tuple[int, int]] | None:
+        """Requests finished this step that children save asynchronously:
+        request id -> (bit set of those children, how many of their
+        completions the workers wait for)."""
+    @property
+    def loads(self) -> dict[str, int] | None:
+        """Requests loading asynchronously from this step on: request id ->
+        bit set of the children loading it asynchronously."""
+    @property
+    def load_blocks(self) -> dict[str, list[int]] | None:
+        """Of those loaded by a child with a ``load_timeout_ms``: request id
+        -> the device blocks the load writes (group 0)."""
+
 @final
 class SchedulerMux:
     """The scheduler side of the multiplexer (``rust/mux/scheduler.rs``)
@@ -95,17 +125,9 @@ class SchedulerMux:
         self, request: Any, block_ids: Any, partial_tail_offloads: Any
     ) -> bool: ...
     def on_new_request(self, request: Any) -> None: ...
-    def build_connector_meta(
-        self, scheduler_output: Any
-    ) -> tuple[
-        tuple[Any, ...],
-        dict[str, tuple[int, int]] | None,
-        dict[str, int] | None,
-        dict[str, list[int]] | None,
-    ]:
-        """vLLM's hook, as data: ``(children's metadata, saves, loads,
-        load_blocks)``, the completions the workers wait for (the connector
-        makes ``KvmuxMetadata`` of it)."""
+    def build_connector_meta(self, scheduler_output: Any) -> KvmuxMetadata:
+        """vLLM's hook: every child's metadata and the completions the
+        workers wait for."""
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM's hook: failed loads stop counting as loaded; each child sees
         its own entry of the workers' metadata."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "WrongRole", "wrong_role"]
+from kvmux.stats import build_child_stats
+
+__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "StatsHook", "WrongRole", "wrong_role"]
 
 
 class _ResolvedHook:
@@ -53,6 +55,27 @@ class SchedulerHook(_ResolvedHook):
 
     def resolve(self, connector: Any) -> Callable[..., Any]:
         return getattr(connector._scheduler_mux, self.name)
+
+
+class StatsHook(_ResolvedHook):
+    """``get_kv_connector_stats``, on either side. On the scheduler: the
+    Rust ``SchedulerMux``'s answer (None when it has nothing to report,
+    else the children's stats and kvmux's counters as data) made into
+    ``KvmuxStats`` by ``kvmux.stats.build_child_stats``, in one function
+    that holds both (no attribute read of the connector per step). On a
+    worker: the worker's method."""
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        if connector._scheduler is None:
+            return getattr(connector._work(self.name), self.name)
+        rust = getattr(connector._scheduler_mux, self.name)
+        names = connector._children.names
+
+        def get_kv_connector_stats() -> Any:
+            got = rust()
+            return None if got is None else build_child_stats(names, *got)
+
+        return get_kv_connector_stats
 
 
 class LayerHook(_ResolvedHook):

@@ -47,14 +47,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, WrongRole, wrong_role
+from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, StatsHook, WrongRole, wrong_role
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
 from kvmux.events import KvmuxKVEvents
-from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
+from kvmux.metadata import KvmuxWorkerMetadata
 from kvmux.scheduler import MuxScheduler
-from kvmux.stats import KvmuxStats, build_child_stats
+from kvmux.stats import KvmuxStats
 from kvmux.worker import MuxWorker
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ if TYPE_CHECKING:
         KVConnectorStats,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -345,14 +344,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         None when no child has any."""
         return self._children.worker_events()
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Stats of the last interval: kvmux's own counters and each child's,
-        by child name (on either side; the scheduler's counters at most once
-        a second and when idle, see ``kvmux.scheduler.STATS_EVERY_S``)."""
-        if self._scheduler is None:
-            return self._work("get_kv_connector_stats").get_kv_connector_stats()
-        got = self._scheduler_mux.get_kv_connector_stats()
-        return None if got is None else build_child_stats(self._children.names, *got)
+    get_kv_connector_stats = StatsHook(
+        """``() -> KvmuxStats | None``: stats of the last interval: kvmux's
+        own counters and each child's, by child name (on either side; the
+        scheduler's counters at most once a second and when idle, see
+        ``kvmux.scheduler.STATS_EVERY_S``)."""
+    )
 
     def shutdown(self) -> None:
         """Every child is shut down, even when one fails (the first error
@@ -405,10 +402,11 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         request."""
     )
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvmuxMetadata:
-        """Each child's metadata, plus what the workers must know of the
-        requests that finished (extra async saves, dropped completions)."""
-        return KvmuxMetadata(*self._scheduler_mux.build_connector_meta(scheduler_output))
+    build_connector_meta = SchedulerHook(
+        """``(scheduler_output) -> KvmuxMetadata``: each child's metadata,
+        plus what the workers must know of the requests since the last step
+        (async saves and loads, the blocks of loads with a deadline)."""
+    )
 
     update_connector_output = SchedulerHook(
         """``(connector_output)``: each child sees its own slice of the

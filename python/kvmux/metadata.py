@@ -9,30 +9,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvmux import _core
+
 __all__ = ["KvmuxMetadata", "KvmuxWorkerMetadata"]
 
 
-@dataclass
-class KvmuxMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step."""
-
-    children: tuple[KVConnectorMetadata, ...]
-    """Each child's own metadata, in config order."""
-    saves: dict[str, tuple[int, int]] | None = None
-    """Requests finished this step that children save asynchronously:
-    request id -> (bit set of those children, how many of their completions
-    the workers wait for: all of them, or 1 for a request kvmux never
-    tracked). A completion from another child is dropped (``rust/completions.rs``)."""
-    loads: dict[str, int] | None = None
-    """Requests loading asynchronously from this step on: request id -> bit
-    set of the children loading it asynchronously (one, or several spans
-    under ``compose``); the request is finished receiving once each
-    reported it, and no other child's receive completion reaches vLLM."""
-    load_blocks: dict[str, list[int]] | None = None
-    """Of those loaded by a child with a ``load_timeout_ms``: request id ->
-    the device blocks the load writes (group 0), which a worker reports as
-    load errors if the load misses its deadline (vLLM without failed
-    receives)."""
+#: Scheduler -> workers, once per step: ``children`` (each child's own
+#: metadata, in config order), ``saves``, ``loads`` and ``load_blocks`` (what
+#: the workers must know of the requests since the last step; see the
+#: class's docstring). Built by the Rust ``SchedulerMux.build_connector_meta``
+#: as an object of the bindings' own (``rust/bindings/mux/metadata.rs``), so
+#: vLLM's call returns with no Python frame of kvmux's; registered here as a
+#: vLLM ``KVConnectorMetadata``.
+KvmuxMetadata = _core.KvmuxMetadata
+KVConnectorMetadata.register(KvmuxMetadata)
 
 
 @dataclass

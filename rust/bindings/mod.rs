@@ -23,7 +23,7 @@ mod block_index;
 mod mux;
 
 use block_index::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
-use mux::{fan_out, PySchedulerMux, PyWorkerMux};
+use mux::{fan_out, PyKvmuxMetadata, PySchedulerMux, PyWorkerMux};
 
 // ------------------------------------------------------------------- keys
 
@@ -118,6 +118,7 @@ pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerMux>()?;
     m.add_class::<PyWorkerMux>()?;
+    m.add_class::<PyKvmuxMetadata>()?;
     m.add_function(wrap_pyfunction!(fan_out, m)?)?;
     m.add("SCHEDULER_HOOKS", crate::mux::hook::SCHEDULER.to_vec())?;
     m.add_function(wrap_pyfunction!(bind_errors, m)?)?;

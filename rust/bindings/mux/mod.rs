@@ -1,5 +1,6 @@
 //! The multiplexer's bindings (`crate::mux`), one file per role
-//! (`scheduler.rs`: `SchedulerMux`, `worker.rs`: `WorkerMux`); this one
+//! (`scheduler.rs`: `SchedulerMux`, `worker.rs`: `WorkerMux`), and
+//! `metadata.rs`, the `KvmuxMetadata` the scheduler's hands the workers; this one
 //! converts what both take: the children's answers, request ids, the
 //! facts of each child's hooks.
 
@@ -15,9 +16,11 @@ use crate::mux::plan::{Fact, Fanout};
 use crate::mux::{ChildFinish, Params};
 use crate::requests::ChildMatch;
 
+mod metadata;
 mod scheduler;
 mod worker;
 
+pub(super) use metadata::PyKvmuxMetadata;
 pub(super) use scheduler::PySchedulerMux;
 pub(super) use worker::PyWorkerMux;
 

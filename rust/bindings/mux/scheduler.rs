@@ -19,7 +19,7 @@ use std::time::Duration;
 use super::super::raise;
 use super::{
     answer, any_answer, fanout, key_str, ms, raised, request_id, str_key, to_bool, to_finish,
-    to_match, PyParams,
+    to_match, PyKvmuxMetadata, PyParams,
 };
 use crate::breaker::BreakerConfig;
 use crate::error::{ChildFault, MuxError};
@@ -49,6 +49,8 @@ pub struct PySchedulerMux {
     build_meta: Plan<Py<PyAny>>,
     update_output: Plan<Py<PyAny>>,
     child_stats: Plan<Py<PyAny>>,
+    /// Every child's stats are a constant None (none is called).
+    stats_all_none: bool,
     stats_every: Duration,
 }
 
@@ -406,6 +408,12 @@ impl PySchedulerMux {
             load_async: false,
         };
         let none = || py.None();
+        let child_stats: Plan<Py<PyAny>> = fanout(facts(hook::STATS)?, n, none, any_answer)?;
+        let stats_all_none = !child_stats.any_active()
+            && child_stats
+                .answers()
+                .iter()
+                .all(|a| a.as_ref().is_ok_and(|v| v.is_none(py)));
         Ok(Self {
             lookup: fanout(facts(hook::LOOKUP)?, n, || no_match, to_match)?,
             alloc: fanout(facts(hook::ALLOC)?, n, || (), |_| Ok(()))?,
@@ -420,7 +428,8 @@ impl PySchedulerMux {
             on_new_request: fanout(facts(hook::ON_NEW_REQUEST)?, n, none, any_answer)?,
             build_meta: fanout(facts(hook::BUILD_META)?, n, none, any_answer)?,
             update_output: fanout(facts(hook::UPDATE_OUTPUT)?, n, none, any_answer)?,
-            child_stats: fanout(facts(hook::STATS)?, n, none, any_answer)?,
+            child_stats,
+            stats_all_none,
             logger: logger.unbind(),
             stats_every,
             core,
@@ -561,26 +570,19 @@ impl PySchedulerMux {
         Ok(())
     }
 
-    /// vLLM's `build_connector_meta`, as data: `(every child's metadata in
-    /// config order, saves, loads, load_blocks)`, what the workers must know
-    /// of the requests since the last step (taken once every child has
-    /// answered). The connector makes `KvmuxMetadata` of it.
-    #[allow(clippy::type_complexity)]
+    /// vLLM's `build_connector_meta`: every child's metadata in config
+    /// order, and what the workers must know of the requests since the
+    /// last step (taken once every child has answered).
     fn build_connector_meta<'py>(
         &self,
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
-    ) -> PyResult<(
-        Bound<'py, PyTuple>,
-        Option<Bound<'py, PyDict>>,
-        Option<Bound<'py, PyDict>>,
-        Option<Bound<'py, PyDict>>,
-    )> {
+    ) -> PyResult<Bound<'py, PyKvmuxMetadata>> {
         let metas = self.answers(py, &self.build_meta, hook::BUILD_META, |f| {
             f.call1((scheduler_output,))
         })?;
         let (saves, loads, load_blocks) = self.take_outbox(py)?;
-        Ok((PyTuple::new(py, metas)?, saves, loads, load_blocks))
+        PyKvmuxMetadata::build(py, PyTuple::new(py, metas)?, saves, loads, load_blocks)
     }
 
     /// vLLM's `update_connector_output`: loads the workers report failed
@@ -663,7 +665,6 @@ impl PySchedulerMux {
         &self,
         py: Python<'py>,
     ) -> PyResult<Option<(Bound<'py, PyTuple>, Option<Bound<'py, PyDict>>)>> {
-        let stats = self.answers(py, &self.child_stats, hook::STATS, |f| f.call0())?;
         let mut counters = match self.core.take_interval_every(self.stats_every) {
             Some(delta) if !delta.is_zero() => Some(super::counters_dict(
                 py,
@@ -685,6 +686,12 @@ impl PySchedulerMux {
             let out = counters.get_or_insert_with(|| PyDict::new(py));
             out.set_item(intern!(py, "breaker_state"), gauge)?;
         }
+        // The usual step: no child reports anything and kvmux's counters
+        // are not due; no list is built.
+        if counters.is_none() && self.stats_all_none {
+            return Ok(None);
+        }
+        let stats = self.answers(py, &self.child_stats, hook::STATS, |f| f.call0())?;
         if counters.is_none() && stats.iter().all(|s| s.is_none()) {
             return Ok(None);
         }
