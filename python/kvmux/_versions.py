@@ -6,6 +6,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 
 __all__ = [
+    "DEFAULT_HIT_SOURCES",
     "HAS_HIT_SOURCES",
     "HAS_SLEEP_MODE",
     "HAS_TRANSFER_RESULTS",
@@ -38,3 +39,7 @@ except ImportError:  # a vLLM from before the split
 #: The scheduler asks its connector to split external hits by source (0.32
 #: and 0.33 do).
 HAS_HIT_SOURCES: bool = hasattr(_base.KVConnectorBase_V1, "get_external_cache_hit_sources")
+
+#: vLLM's own ``get_external_cache_hit_sources`` (all of a span under the
+#: connector's ``_cache_hit_source``); None on a vLLM without the split.
+DEFAULT_HIT_SOURCES = getattr(_base.KVConnectorBase_V1, "get_external_cache_hit_sources", None)
