@@ -8,7 +8,8 @@ sets. It records every call so tests can check what kvmux routed to it.
 ``kv_connector_extra_config`` (all optional):
 
 - ``matched``: tokens reported by ``get_num_new_matched_tokens`` (default 0)
-- ``load_async``: report the match as an async load
+- ``load_async``: report the match as an async load (and answer
+  ``may_load_async`` True)
 - ``not_ready``: answer ``None`` this many times per request first
 - ``async_save``: ``request_finished`` returns True (saves asynchronously)
 - ``params``: the dict ``request_finished`` returns (None: no params)
@@ -114,6 +115,12 @@ class ScriptedConnector(KVConnectorBase_V1):
         hit = min(self.script.get("matched", 0), request.num_tokens - 1)
         matched = max(0, hit - num_computed_tokens)
         return matched, bool(self.script.get("load_async")) and matched > 0
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34's question on enqueue: with ``load_async``, any request
+        it may be asked to load (its loads are all asynchronous)."""
+        self._maybe_fail("may_load_async")
+        return bool(self.script.get("load_async"))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         self.calls.append(("hit_sources", (request.request_id, num_external_tokens)))

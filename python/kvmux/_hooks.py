@@ -18,9 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvmux.errors import KvmuxChildError
 from kvmux.stats import build_child_stats
 
-__all__ = ["LayerHook", "QuietHook", "SchedulerHook", "StatsHook", "WrongRole", "wrong_role"]
+__all__ = [
+    "AnyChildHook",
+    "LayerHook",
+    "QuietHook",
+    "SchedulerHook",
+    "StatsHook",
+    "WrongRole",
+    "wrong_role",
+]
 
 
 class _ResolvedHook:
@@ -105,6 +114,44 @@ class QuietHook(_ResolvedHook):
         if connector._children.silent(self.name):
             return self.empty
         return getattr(connector, self.combine)
+
+
+class AnyChildHook(_ResolvedHook):
+    """A scheduler-side question answered true when any child's answer is
+    (``may_load_async``). Children whose hook only returns a constant are
+    not asked: when none is left, the hook is a builtin that answers that
+    constant with no frame (``().__contains__`` answers False for any
+    argument); when one is left, it is that child's bound method; otherwise
+    a function that asks each of them in config order and stops at the
+    first true answer. A child that raises is named
+    (:class:`~kvmux.errors.KvmuxChildError`)."""
+
+    def resolve(self, connector: Any) -> Callable[..., Any]:
+        children = connector._children
+        plan = children.plan(self.name)
+        if any(plan.answers):
+            return _always_true
+        if not plan.active:
+            return ().__contains__
+        if len(plan.active) == 1:
+            return plan.active[0][1]
+        hook, names, active = self.name, children.names, plan.active
+
+        def any_child(*args: Any, **kwargs: Any) -> bool:
+            for i, fn in active:
+                try:
+                    if fn(*args, **kwargs):
+                        return True
+                except Exception as e:
+                    raise KvmuxChildError(names[i], hook, f"{type(e).__name__}: {e}") from e
+            return False
+
+        any_child.__name__ = hook
+        return any_child
+
+
+def _always_true(*args: Any, **kwargs: Any) -> bool:
+    return True
 
 
 #: Each side's wrong role and where its hooks belong, for :func:`wrong_role`.

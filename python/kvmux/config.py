@@ -10,7 +10,11 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
-from collections.abc import Mapping
+import importlib
+import importlib.metadata
+import inspect
+import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +53,10 @@ MIN_COOLDOWN_MS = 1.0
 #: Display names kvmux's own reports already use: vLLM's prefix cache in
 #: ``cached_tokens_by_child``, and kvmux itself in clash errors.
 RESERVED_NAMES = ("local_prefix_cache", "kvmux")
+#: Tells vLLM that a child allocates the KV cache from its own memory pool
+#: (vLLM 0.34 reads it only at the top level under a name other than
+#: ``MultiConnector``: see :mod:`kvmux.parent_name`); kvmux only passes it on.
+CUSTOM_MEM_POOL_KEY = "custom_mem_pool"
 ALLOWED_KEYS = (
     "connectors",
     "clash_policy",
@@ -56,6 +64,7 @@ ALLOWED_KEYS = (
     LOOKUP_TIMEOUT_KEY,
     LOAD_TIMEOUT_KEY,
     *BREAKER_KEYS,
+    CUSTOM_MEM_POOL_KEY,
 )
 #: Optional per-child display name (stats, metrics, errors); kvmux removes it
 #: before vLLM parses the child's kv_transfer_config.
@@ -264,6 +273,114 @@ def _breaker(
     return BreakerSpec(failures=failures, cooldown_ms=cooldown, max_cooldown_ms=longest)
 
 
+#: What vLLM's built-in ``LMCacheMPConnector`` (``LMCACHE_USE_UPSTREAM_MP=1``)
+#: passes its scheduler adapter (vLLM 0.33 and 0.34), and the module that
+#: holds it (by default it resolves ``LMCacheMPConnector`` to lmcache's class).
+_BUILTIN_LMCACHE_MP = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector"
+_BUILTIN_ADAPTER_KEY = "server_url"
+
+
+def _reads_attribute(cls: type, attr: str) -> bool:
+    """Whether a method of ``cls`` or its bases reads ``.attr`` directly (an
+    attribute load in its bytecode; ``getattr(x, "attr", default)`` is not)."""
+
+    def names(code: types.CodeType) -> Iterator[str]:
+        yield from code.co_names
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from names(const)
+
+    for klass in cls.__mro__[:-1]:  # object aside
+        for v in vars(klass).values():
+            fn = getattr(v, "__func__", None) or getattr(v, "fget", None) or v
+            code = getattr(fn, "__code__", None)
+            if isinstance(code, types.CodeType) and attr in names(code):
+                return True
+    return False
+
+
+def _builtin_lmcache_mp_error() -> str | None:
+    """Why vLLM's built-in ``LMCacheMPConnector`` cannot start with the
+    installed lmcache (None: it can, as far as its signature tells): it
+    builds lmcache's ``LMCacheMPSchedulerAdapter`` with ``server_url=``,
+    which lmcache 0.5.6 renamed ``server_urls`` (a TypeError at start-up)."""
+    try:
+        adapter = importlib.import_module(_BUILTIN_LMCACHE_MP).LMCacheMPSchedulerAdapter
+        params = inspect.signature(adapter).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    if _BUILTIN_ADAPTER_KEY in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return (
+        f"it builds {adapter.__module__}.{adapter.__qualname__} with "
+        f"{_BUILTIN_ADAPTER_KEY}=, which that class does not take"
+    )
+
+
+def _version(module: str) -> str:
+    dist = module.partition(".")[0]
+    try:
+        return f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return dist
+
+
+def _known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
+    """The refusal (naming the versions, why and the fix) for a child class
+    known to crash on the installed vLLM; None for any other. Decided by
+    what the class and this vLLM can do, not by version strings: lmcache
+    0.5.6's ``LMCacheMPConnector`` reads ``CachedRequestData.resumed_req_ids``
+    on every step with a running request, which vLLM 0.34 removed
+    (:data:`kvmux._versions.HAS_RESUMED_REQ_IDS`); vLLM's built-in copy
+    cannot start with lmcache 0.5.6's adapter."""
+    import vllm
+
+    from kvmux import _versions
+
+    vv, path = f"vLLM {vllm.__version__}", f"{cls.__module__}.{cls.__qualname__}"
+    builtin = _builtin_lmcache_mp_error()
+    reads = not _versions.HAS_RESUMED_REQ_IDS and _reads_attribute(cls, "resumed_req_ids")
+    if cls.__module__ == _BUILTIN_LMCACHE_MP and builtin is not None:
+        lv = _version("lmcache")
+        fix = (
+            "unset LMCACHE_USE_UPSTREAM_MP in the vLLM server's environment (lmcache's own "
+            f"LMCacheMPConnector works on {vv})"
+            if _versions.HAS_RESUMED_REQ_IDS
+            else f"upgrade lmcache to a release that supports {vv}, or run vLLM 0.33 with "
+            f"{lv} (unset LMCACHE_USE_UPSTREAM_MP there)"
+        )
+        return (
+            f"{where} resolves to vLLM's built-in {path} (LMCACHE_USE_UPSTREAM_MP is set), "
+            f"which fails at start-up with {lv} (a TypeError: {builtin}); {fix}"
+        )
+    if not reads:
+        return None
+    dist = _version(cls.__module__)
+    if cls.__name__ != "LMCacheMPConnector":
+        fix = f"upgrade {dist.split(' ')[0]} to a release that supports {vv}"
+    elif builtin is None:
+        fix = (
+            "set LMCACHE_USE_UPSTREAM_MP=1 in the vLLM server's environment"
+            + (" and drop kv_connector_module_path" if ktc.kv_connector_module_path else "")
+            + " to use vLLM's built-in LMCacheMPConnector, or upgrade lmcache to a release "
+            f"that supports {vv}"
+        )
+    else:
+        fix = (
+            f"upgrade lmcache to a release that supports {vv}, or run vLLM 0.33 with {dist} "
+            f"(its LMCacheMPConnector works there); LMCACHE_USE_UPSTREAM_MP=1 does not help "
+            f"with {dist}: vLLM's built-in LMCacheMPConnector then fails at start-up "
+            f"(a TypeError: {builtin})"
+        )
+    return (
+        f"{where} resolves to {path} ({dist}), which reads "
+        "scheduler_output.scheduled_cached_reqs.resumed_req_ids in build_connector_meta on "
+        f"every step with a running request; {vv}'s CachedRequestData has no such field "
+        "(removed in vLLM 0.34), so this child would crash the engine mid-serving, at the "
+        f"first decode step; {fix}"
+    )
+
+
 def _child(
     index: int,
     raw: Any,
@@ -323,6 +440,10 @@ def _child(
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
         problems.append(f"{where} resolves to {cls!r}, which is not a KVConnectorBase_V1 subclass")
         return None
+    crash = _known_crash(cls, ktc, where)  # would start, then fail mid-serving
+    if crash is not None:
+        problems.append(crash)
+        return None
     # kvmux's own connectors check their settings here, so every problem is
     # found before anything is built (and by `python -m kvmux doctor`).
     validate = getattr(cls, "validate_transfer_config", None)
@@ -369,6 +490,12 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         extra, "kv_connector_extra_config: ", problems, LOAD_TIMEOUT_KEY
     )
     default_breaker = _breaker(extra, "kv_connector_extra_config: ", problems)
+    pool = extra.get(CUSTOM_MEM_POOL_KEY, False)
+    if not isinstance(pool, bool):
+        problems.append(
+            f"kv_connector_extra_config: {CUSTOM_MEM_POOL_KEY}={pool!r} must be true or false "
+            "(true when a child allocates the KV cache from its own memory pool)"
+        )
 
     raw_children = extra.get("connectors")
     children: list[_RawChild] = []

@@ -47,12 +47,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._hooks import LayerHook, QuietHook, SchedulerHook, StatsHook, WrongRole, wrong_role
+from kvmux._hooks import (
+    AnyChildHook,
+    LayerHook,
+    QuietHook,
+    SchedulerHook,
+    StatsHook,
+    WrongRole,
+    wrong_role,
+)
 from kvmux.children import Children
 from kvmux.config import MuxConfig, check_hma, parse_mux_config
 from kvmux.errors import KvmuxConfigError
 from kvmux.events import KvmuxKVEvents
 from kvmux.metadata import KvmuxWorkerMetadata
+from kvmux.parent_name import parent_name_problems
 from kvmux.scheduler import MuxScheduler
 from kvmux.stats import KvmuxStats
 from kvmux.worker import MuxWorker
@@ -78,6 +87,18 @@ def _parse_from_vllm_config(vllm_config: VllmConfig) -> MuxConfig:
     return parse_mux_config(ktc)
 
 
+def _children_or_none(ktc: KVTransferConfig) -> tuple[Any, ...]:
+    """The children of ``ktc`` for the classmethods vLLM 0.34 asks while it
+    builds its ``VllmConfig``; none for a config kvmux cannot run, which the
+    connector then refuses at construction with :class:`KvmuxConfigError`
+    naming every problem (raised from here, vLLM would wrap it in its own
+    config validation error)."""
+    try:
+        return parse_mux_config(ktc).children
+    except KvmuxConfigError:
+        return ()
+
+
 class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector that runs the children listed in
     ``kv_connector_extra_config["connectors"]`` as one.
@@ -97,6 +118,9 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = parse_mux_config(self._kv_transfer_config)
+        named = parent_name_problems(self._kv_transfer_config, cfg, vllm_config)
+        if named:
+            raise KvmuxConfigError(named)
         check_hma(
             cfg,
             not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
@@ -232,6 +256,39 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
             cfg = parse_mux_config(kv_transfer_config)
             return all(spec.cls.supports_sleep_mode(spec.transfer_config) for spec in cfg.children)
+
+    if _versions.HAS_KV_CACHE_ACCESS:
+
+        @classmethod
+        def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+            """How the children's workers reach the device KV cache: the union
+            of every child's ``KVCacheAccess`` flags, each asked through vLLM's
+            factory (so its fallback for an LMCache class that predates the
+            hook applies) with the child's config exactly as kvmux builds it
+            at run time (the role, engine id and ``kv_buffer_device`` it
+            inherits included). vLLM 0.34 decides from it how to allocate the
+            KV cache, or whether its extensible KV cache can be used.
+            ``IN_PROCESS`` for a config kvmux cannot run (refused at
+            construction)."""
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+            access = _versions.KVCacheAccess.IN_PROCESS
+            for spec in _children_or_none(kv_transfer_config):
+                access |= KVConnectorFactory.kv_cache_access(spec.transfer_config)
+            return access
+
+    if _versions.HAS_LOOKAHEAD_HASHES:
+
+        @classmethod
+        def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+            """True only when every child's is: vLLM 0.34 hashes each block
+            together with the tokens after it (a drafter's lookahead) only
+            if the connector says it can key its blocks that way."""
+            children = _children_or_none(kv_transfer_config)
+            return bool(children) and all(
+                spec.cls.supports_lookahead_block_hashes(spec.transfer_config)
+                for spec in children
+            )
 
     @classmethod
     def build_kv_connector_stats(
@@ -396,6 +453,15 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._children.each("bind_gpu_block_pool", gpu_block_pool)
+
+    may_load_async = AnyChildHook(
+        """``(request) -> bool``: true when any child may load ``request``
+        asynchronously (vLLM 0.34 then queues it where its load can start
+        while the running batch is full). Runs on every enqueue: a child
+        whose answer is a constant is not asked (``KvmuxHostCache`` loads
+        synchronously and answers False), a single child that answers per
+        request is its bound method, with no kvmux frame."""
+    )
 
     on_new_request = SchedulerHook(
         """``(request)``: every child whose hook does something hears of the

@@ -126,6 +126,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     from kvmux.config import HMA_FIX, parse_mux_config
     from kvmux.connector import KvmuxConnector
     from kvmux.errors import KvmuxConfigError
+    from kvmux.parent_name import parent_name_problems
 
     rep = Report()
     if not isinstance(raw, dict):
@@ -180,6 +181,8 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     except KvmuxConfigError as e:
         rep.problems.extend(e.problems)
         return rep
+    # What vLLM decides from the connector's name (with vLLM's defaults).
+    rep.problems.extend(parent_name_problems(ktc, cfg))
     for spec in cfg.children:
         rep.children.append(
             {
