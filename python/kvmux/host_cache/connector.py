@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvmux._versions import CacheHitSource
+from kvmux._versions import HAS_LOOKAHEAD_HASHES, HAS_MAY_LOAD_ASYNC, CacheHitSource
 from kvmux.errors import KvmuxConfigError
 from kvmux.host_cache.config import parse_host_cache_config
 from kvmux.host_cache.events import HostEvents, group_specs, kv_events_enabled
@@ -77,8 +77,10 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
             par = vllm_config.parallel_config
             workers = par.tensor_parallel_size * par.pipeline_parallel_size
             events = None
+            # vLLM 0.34's hash lookahead (a VllmConfig field; absent before).
+            lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0
             if kv_events_enabled(vllm_config):
-                events = HostEvents(self.layout.block_size, group_specs(kv_cache_config))
+                events = HostEvents(self.layout.block_size, group_specs(kv_cache_config), lookahead)
             else:
                 # Nothing to report: vLLM's own answer, which kvmux sees is a
                 # constant and never calls.
@@ -92,6 +94,7 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
                 events,
                 promote=cfg.promote,
                 slot_bytes=self.layout.slot_bytes,
+                hash_lookahead=lookahead,
             )
         else:
             self._worker = HostCacheWorker(
@@ -106,6 +109,29 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         """Raise :class:`KvmuxConfigError` for bad settings (before anything
         is built; used by KvmuxConnector and ``python -m kvmux doctor``)."""
         parse_host_cache_config(kv_transfer_config.kv_connector_extra_config)
+
+    if HAS_LOOKAHEAD_HASHES:
+
+        @classmethod
+        def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+            """True: the tier keys blocks by vLLM's block hashes as they are.
+            Under lookahead hashes (vLLM 0.34 with a drafter) a block's hash
+            also covers the tokens after it and exists only once they do: the
+            tier saves a block once it has its hash, finds it only for a
+            request whose block and following tokens are equal (the drafter's
+            KV at the block's end depends on them), and never falls back to
+            its token hash for a block vLLM has not hashed yet (see
+            ``scheduler.py``)."""
+            return True
+
+    if HAS_MAY_LOAD_ASYNC:
+
+        def may_load_async(self, request: Request) -> bool:
+            """False for every request: the tier's loads are synchronous
+            (``get_num_new_matched_tokens`` answers ``load_kv_async=False``),
+            so vLLM 0.34's async-load queue is not for it, whatever the
+            request's ``do_remote_prefill``. A constant: kvmux never calls it."""
+            return False
 
     # Each side's state exists only in its role; a call from the wrong side
     # is a programming error in the host, reported plainly.

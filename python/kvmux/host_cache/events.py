@@ -15,8 +15,11 @@ removed either. The events carry ``medium="CPU"`` and ``locality="LOCAL"``
 events carry for the same prefix: ``maybe_convert_block_hash`` of the
 request's block hash (without prefix caching, kvmux's chained token hash),
 with its parent hash, token ids, LoRA and extra keys, so a router can match
-a CPU block with the GPU block of the same tokens. Under ``KvmuxConnector``
-each event's ``ownership`` also names the child (``kvmux.events``).
+a CPU block with the GPU block of the same tokens (under vLLM 0.34's
+lookahead hashes, as vLLM's own events do: extra keys over the block and
+its lookahead tokens, and those tokens as ``lookahead_token_ids``). Under
+``KvmuxConnector`` each event's ``ownership`` also names the child
+(``kvmux.events``).
 
 What happens to the blocks the Rust index reports itself, as events
 (``HostIndex.take_events``: stored, aborted, evicted, dropped, each with its
@@ -73,6 +76,8 @@ class _Block:
     lora_id: int | None
     lora_name: str | None
     extra_keys: tuple[Any, ...] | None
+    lookahead: tuple[int, ...] = ()
+    """The tokens after the block its hash covers (vLLM 0.34's lookahead)."""
 
 
 def kv_events_enabled(vllm_config: VllmConfig) -> bool:
@@ -101,8 +106,12 @@ def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
 class HostEvents:
     """Turns the host index's events into vLLM KV cache events."""
 
-    def __init__(self, block_size: int, groups: Sequence[GroupSpec]) -> None:
+    def __init__(
+        self, block_size: int, groups: Sequence[GroupSpec], hash_lookahead: int = 0
+    ) -> None:
+        """``hash_lookahead``: vLLM's ``num_hash_lookahead_tokens``."""
         self.block_size = block_size
+        self.hash_lookahead = hash_lookahead
         self.groups = list(groups)
         # (group, block hash) -> the block being saved, until stored or aborted
         self._saving: dict[tuple[int, bytes], _Block] = {}
@@ -121,8 +130,17 @@ class HostEvents:
         lora_id = lora.adapter_id if lora else None
         lora_name = lora.name if lora else None
         tokens = request.all_token_ids
+        ahead = self.hash_lookahead
+        if ahead:  # vLLM 0.34: what its BlockPool's events say of a block
+            from vllm.v1.core.kv_cache_utils import generate_lookahead_block_hash_extra_keys
         for b in blocks:
             start, end = b * bs, (b + 1) * bs
+            if ahead:
+                extra = generate_lookahead_block_hash_extra_keys(
+                    request, start, end, end + ahead, 0
+                )[0]
+            else:
+                extra = generate_block_hash_extra_keys(request, start, end, 0)[0]
             self._saving[group, keys[b]] = _Block(
                 request.request_id,
                 group,
@@ -132,7 +150,8 @@ class HostEvents:
                 tuple(tokens[start:end]),
                 lora_id,
                 lora_name,
-                generate_block_hash_extra_keys(request, start, end, 0)[0],
+                extra,
+                tuple(tokens[end : end + ahead]),
             )
 
     def apply(self, events: Sequence[tuple[str, int, bytes, str | None]]) -> None:
@@ -184,6 +203,10 @@ class HostEvents:
         group: their hashes, the parent of the first, all their tokens."""
         first = run[0]
         spec = self.groups[first.group] if first.group < len(self.groups) else GroupSpec()
+        # vLLM 0.34's field, set under lookahead hashes only (0.33 has none).
+        ahead = (
+            {"lookahead_token_ids": [list(b.lookahead) for b in run]} if self.hash_lookahead else {}
+        )
         return BlockStored(
             block_hashes=[maybe_convert_block_hash(b.key) for b in run],
             parent_block_hash=(
@@ -199,6 +222,7 @@ class HostEvents:
             kv_cache_spec_kind=spec.kind,
             kv_cache_spec_sliding_window=spec.sliding_window,
             locality=LOCALITY,
+            **ahead,
         )
 
     def _removed(self, by_group: dict[int, list[bytes]]) -> None:

@@ -150,6 +150,18 @@ def host_layout(kv_cache_config: KVCacheConfig, block_size: int) -> HostLayout:
                 window_blocks=None if window is None else _cdiv(max(window - 1, 0), block_size),
             )
         )
+    # vLLM hashes blocks every ``prefix_match_unit`` tokens when it is set
+    # finer than a hybrid model's blocks: its i-th hash would then name a
+    # prefix shorter than the tier's i-th block, and a request sharing only
+    # that much would load another prompt's KV for the rest of the block.
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size is not None and hash_block_size < block_size:
+        problems.append(
+            f"KvmuxHostCache keys {block_size}-token blocks by vLLM's block hashes, but "
+            f"vLLM hashes every {hash_block_size} tokens (prefix_match_unit="
+            f"{hash_block_size}); unset prefix_match_unit (or set it to {block_size}) "
+            "or run without KvmuxHostCache"
+        )
     if problems:
         raise KvmuxConfigError(problems)
     if not groups:

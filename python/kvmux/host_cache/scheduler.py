@@ -23,7 +23,20 @@ Protocol with the workers (all through vLLM's metadata paths):
 
 Partial blocks are never stored. Block identities are vLLM's block hashes
 (prefix-cache identity: salt, LoRA, multimodal inputs); without them (prefix
-caching off) a chained hash of the token ids, computed in Rust.
+caching off, on an engine that hashes nothing) a chained hash of the token
+ids, computed in Rust.
+
+vLLM 0.34's lookahead hashes (``num_hash_lookahead_tokens`` L > 0, with a
+drafter, when the connector says it supports them): each block's hash also
+covers the L tokens after it, which the drafter's KV at the block's last
+position reads, and exists only once they do, so ``request.block_hashes``
+lags the full blocks. The tier keys by those hashes as they are: a block is
+saved once its hash exists and found only by a request whose block and
+lookahead tokens are equal, so a hit is never wrong. Its blocks without a
+hash yet have no identity: they are neither saved nor looked up (the
+token-hash fallback, which covers neither the lookahead tokens nor LoRA
+and multimodal inputs, is never used then: vLLM always hashes with a
+connector configured, so an empty list only means "not yet").
 
 Hybrid models (several KV cache groups, :mod:`kvmux.host_cache.layout`):
 each group's blocks are keyed in the group's own key space of one index. A
@@ -123,14 +136,18 @@ class HostCacheScheduler:
         events: HostEvents | None = None,
         promote: bool = True,
         slot_bytes: int = 0,
+        hash_lookahead: int = 0,
     ) -> None:
         """``windows``: per KV cache group, None for full attention, else the
         blocks the group reads before a resume point; ``kinds``: the groups'
         kinds, for the stats (see ``layout.py``); ``events``: the tier's KV
         cache events, when vLLM's are on (``events.py``); ``promote``: save
         the blocks other children loaded too; ``slot_bytes``: the host
-        memory of one slot, for the tier's gauges."""
+        memory of one slot, for the tier's gauges; ``hash_lookahead``:
+        vLLM's ``num_hash_lookahead_tokens`` (> 0: block hashes cover the
+        tokens after each block, and the token-hash fallback is off)."""
         self.block_size = block_size
+        self.hash_lookahead = hash_lookahead
         self.windows = list(windows)
         self.kinds = (
             list(kinds)
@@ -161,9 +178,10 @@ class HostCacheScheduler:
     def keys(self, request: Request, start: int = 0, end: int | None = None) -> list[bytes]:
         """The identities of the request's full blocks ``[start, end)``:
         vLLM's block hashes (sliced, not copied whole, when a range is
-        asked), else the chained token hash computed in Rust."""
+        asked), else (no lookahead hashes) the chained token hash computed
+        in Rust. Under lookahead hashes, only the blocks vLLM hashed."""
         hashes = request.block_hashes
-        if not hashes:
+        if not hashes and not self.hash_lookahead:
             salt = (getattr(request, "cache_salt", None) or "").encode("utf-8", "surrogatepass")
             hashes = chain_token_hashes(list(request.all_token_ids), self.block_size, salt)
         if start == 0 and end is None and isinstance(hashes, list):
@@ -172,6 +190,8 @@ class HostCacheScheduler:
 
     def num_keys(self, request: Request) -> int:
         """How many full blocks have an identity (no hashing, no copy)."""
+        if self.hash_lookahead:
+            return len(request.block_hashes)
         return len(request.block_hashes) or len(request.all_token_ids) // self.block_size
 
     # ------------------------------------------------------------ events

@@ -41,6 +41,8 @@ class HostCacheWorker:
         self._awaiting: set[str] = set()
         self._out = HostCacheWorkerMetadata()
         self._load_errors: set[int] = set()
+        # Slots of the bound step's saves dropped before they were issued.
+        self._discarded: set[int] = set()
         self.stats = HostCacheStats()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -69,10 +71,12 @@ class HostCacheWorker:
         if self.pool is not None:
             self.pool.fence()
         self._meta = meta
+        self._discarded = set()
         self._awaiting.update(meta.finished_async)
 
     def clear(self) -> None:
         self._meta = None
+        self._discarded = set()
 
     def _need_pool(self) -> HostPool:
         if self.pool is None:
@@ -125,14 +129,24 @@ class HostCacheWorker:
         jobs: dict[int, list[SaveJob]] = defaultdict(list)
         for job in meta.saves:
             jobs[job.group].append(job)
+        drop = self._discarded
         for group, group_jobs in jobs.items():
             blocks: list[int] = []
             slots: list[int] = []
             owners: dict[str, tuple[int, ...]] = {}
             for job in group_jobs:
-                blocks.extend(job.blocks)
-                slots.extend(job.slots)
-                owners[job.req_id] = owners.get(job.req_id, ()) + job.slots
+                job_blocks, job_slots = job.blocks, job.slots
+                if drop:
+                    kept = [
+                        (b, s) for b, s in zip(job_blocks, job_slots, strict=True) if s not in drop
+                    ]
+                    job_blocks = tuple(b for b, _ in kept)
+                    job_slots = tuple(s for _, s in kept)
+                blocks.extend(job_blocks)
+                slots.extend(job_slots)
+                owners[job.req_id] = owners.get(job.req_id, ()) + job_slots
+            if not blocks:
+                continue
             try:
                 transfer = self._need_pool().save(blocks, slots, group)
             except Exception:
@@ -174,12 +188,14 @@ class HostCacheWorker:
 
     def discard_saves_from(self, blocks: set[int]) -> int:
         """Device ``blocks`` failed to load this step (their KV is not
-        there; vLLM recomputes them): this step's saves copied them, so
-        those slots are reported failed, never committed, and the tier
-        never serves what it did not hold. Returns how many slots. (The
-        step's saves are read from its metadata, still bound: vLLM asks for
-        load errors before it clears it; nothing is kept per step for this
-        rare case.)"""
+        there; vLLM recomputes them): this step's saves copy them, so those
+        slots are reported failed, never committed, and the tier never
+        serves what it did not hold. Returns how many slots. (The step's
+        saves are read from its metadata, still bound: vLLM asks for load
+        errors before it clears it.) vLLM 0.34 with a drafter asks before
+        the step's saves run (it defers ``wait_for_save`` until after the
+        drafter): those slots are then left out of the copy as well, since
+        the scheduler frees them as soon as it hears they failed."""
         meta = self._meta
         if meta is None:
             return 0
@@ -191,6 +207,7 @@ class HostCacheWorker:
         }
         if not bad:
             return 0
+        self._discarded |= bad  # saves not issued yet skip them
         for _, owners in self._saves:
             for req, slots in owners.items():
                 owners[req] = tuple(s for s in slots if s not in bad)
