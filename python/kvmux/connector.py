@@ -286,8 +286,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
             if the connector says it can key its blocks that way."""
             children = _children_or_none(kv_transfer_config)
             return bool(children) and all(
-                spec.cls.supports_lookahead_block_hashes(spec.transfer_config)
-                for spec in children
+                spec.cls.supports_lookahead_block_hashes(spec.transfer_config) for spec in children
             )
 
     @classmethod
