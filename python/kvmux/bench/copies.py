@@ -10,6 +10,13 @@ a plain contiguous torch copy of the same bytes (the memory-bandwidth limit).
   each way.
 
 The figure is the limit's time over kvmux's (kvmux's fraction of the limit).
+
+``--block-size`` (default 16; vLLM 0.34's GPU default is 64) sets the tokens
+per block; the bytes per step stay those of 128 blocks of 16 tokens (64 MiB
+each way at 16 layers): ``step_blocks = 128 * 16 / block_size`` (32 blocks at
+64, rounded to the nearest block where it does not divide), the device pool
+four steps' blocks. Fewer, larger blocks: fewer gathers and scatters for the
+same bytes.
 """
 
 from __future__ import annotations
@@ -24,10 +31,19 @@ from kvmux.host_cache.transfer import HostPool
 __all__ = ["build"]
 
 
-def build(quick: bool) -> Case:
+#: Tokens per step at every block size: 128 blocks of 16.
+STEP_TOKENS = 128 * 16
+
+
+def build(quick: bool, block_size: int = 16) -> Case:
+    """``block_size``: tokens per block; the step moves about
+    :data:`STEP_TOKENS` tokens' KV whatever it is."""
+    if block_size <= 0:
+        raise ValueError(f"P4: block size {block_size} is not positive")
     layers = 8 if quick else 16
-    num_blocks, step_blocks = 512, 128
-    kv_heads, block_size, head_size = 4, 16, 128
+    step_blocks = max(1, round(STEP_TOKENS / block_size))
+    num_blocks = 4 * step_blocks
+    kv_heads, head_size = 4, 128
     dtype = torch.bfloat16
     shape = (num_blocks, kv_heads, block_size, 2 * head_size)
     gen = torch.Generator().manual_seed(0)
@@ -64,11 +80,12 @@ def build(quick: bool) -> Case:
     step_bytes = pool.block_bytes * step_blocks
     return Case(
         key="P4",
-        title="host-tier save+load of a step's blocks",
+        title=f"host-tier save+load of a step's blocks ({block_size}-token blocks)",
         kvmux=kvmux,
         rival=limit,
         rival_name="plain contiguous torch copy",
-        unit=f"{step_blocks} blocks x {layers} layers ({step_bytes / 2**20:.0f} MiB each way)",
+        unit=f"{step_blocks} blocks of {block_size} tokens x {layers} layers "
+        f"({step_bytes / 2**20:.0f} MiB each way)",
         target=0.8,
         higher_is_better=True,
         inner=2 if quick else 5,
@@ -76,6 +93,8 @@ def build(quick: bool) -> Case:
         notes={
             "layers": layers,
             "step_blocks": step_blocks,
+            "block_size": block_size,
+            "block_bytes_per_layer": pool.block_bytes // layers,
             "block_shape": list(shape[1:]),
             "dtype": str(dtype),
             "bytes_each_way": step_bytes,

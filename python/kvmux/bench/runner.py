@@ -14,7 +14,11 @@ from kvmux.bench import CASES
 from kvmux.bench.case import Case
 from kvmux.bench.timing import Progress, Timing, time_pairs
 
-__all__ = ["Result", "format_table", "run", "write_json", "write_plot"]
+__all__ = ["BLOCK_SIZE_CASES", "Result", "format_table", "run", "write_json", "write_plot"]
+
+#: The cases whose ``build`` takes ``block_size`` (``bench --block-size``);
+#: the others run at their own sizes.
+BLOCK_SIZE_CASES = ("P3", "P4")
 
 
 class Result:
@@ -94,7 +98,10 @@ def run(
     repeats: int | None = None,
     warmup: int | None = None,
     progress: Progress | None = None,
+    block_size: int | None = None,
 ) -> list[Result]:
+    """``block_size``: tokens per KV block for :data:`BLOCK_SIZE_CASES`
+    (None: each case's default, 16)."""
     progress = progress or Progress()
     default_reps = 5 if quick else 25
     default_warm = 1 if quick else 3
@@ -102,7 +109,8 @@ def run(
     for key in keys:
         t0 = time.monotonic()
         progress.note(f"{key}: setting up")
-        case: Case = importlib.import_module(CASES[key]).build(quick)
+        sized = {"block_size": block_size} if block_size and key in BLOCK_SIZE_CASES else {}
+        case: Case = importlib.import_module(CASES[key]).build(quick, **sized)
         reps = repeats if repeats is not None else min(default_reps, case.repeats or default_reps)
         warm = warmup if warmup is not None else min(default_warm, case.warmup or default_warm)
         if case.check is not None:

@@ -65,10 +65,13 @@ def vllm_config(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 1024,
     model_dir: str | os.PathLike[str] | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> VllmConfig:
     """``model_dir``: the folder the tiny Llama's config is written under
     (:func:`~kvmux.cli.tiny_model.tiny_llama_config`; its path is the model's
-    name, which external caches such as LMCache put in their keys)."""
+    name, which external caches such as LMCache put in their keys).
+    ``block_size``: the engine's tokens per KV block (the benchmarks'
+    ``--block-size``; vLLM 0.34's GPU default is 64)."""
     model = ModelConfig(
         model=str(tiny_llama_config(model_dir)),
         skip_tokenizer_init=True,
@@ -78,7 +81,7 @@ def vllm_config(
     )
     cfg = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -124,10 +127,10 @@ def make_kv_caches(
     return {name: torch.randn(shape, generator=gen) for name in layer_names()}
 
 
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+def kv_cache_config(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE) -> KVCacheConfig:
     layers = layer_names()
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+        block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
     )
     page = spec.page_size_bytes
     return KVCacheConfig(
@@ -144,7 +147,7 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     )
 
 
-_HASHER = None
+_HASHERS: dict[int, Any] = {}  # block size -> vLLM's request block hasher
 
 
 def make_request(
@@ -154,13 +157,16 @@ def make_request(
     max_tokens: int = 4,
     kv_transfer_params: dict[str, Any] | None = None,
     hashed: bool = True,
+    block_size: int = BLOCK_SIZE,
 ) -> Request:
     """A real vLLM ``Request``; ``hashed=False`` leaves it without block
-    hashes (as an engine with prefix caching off and no hasher would)."""
-    global _HASHER
-    if _HASHER is None:
-        init_none_hash(sha256)
-        _HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
+    hashes (as an engine with prefix caching off and no hasher would);
+    ``block_size``: the tokens per hashed block."""
+    hasher = _HASHERS.get(block_size)
+    if hasher is None:
+        if not _HASHERS:
+            init_none_hash(sha256)
+        hasher = _HASHERS[block_size] = get_request_block_hasher(block_size, sha256)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     if kv_transfer_params is not None:
         params.extra_args = {"kv_transfer_params": kv_transfer_params}
@@ -169,7 +175,7 @@ def make_request(
         prompt_token_ids=list(tokens),
         sampling_params=params,
         pooling_params=None,
-        block_hasher=_HASHER if hashed else None,
+        block_hasher=hasher if hashed else None,
     )
 
 

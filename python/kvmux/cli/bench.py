@@ -53,6 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=int, help="untimed repeats per side first (default 3; quick: 1)"
     )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="tokens per KV block, a positive multiple of 16 (default 16; vLLM 0.34's GPU "
+        "default is 64): P3 keys its 32,768-token prompt at it (512 blocks at 64) in both "
+        "tiers, P4 copies blocks of it (the same MiB per step); the other cases ignore it",
+    )
     p.add_argument("--json", metavar="PATH", help="write every timing and the table's figures")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvmux.bench import CASES, UNAVAILABLE
-    from kvmux.bench.runner import format_table, write_json, write_plot
+    from kvmux.bench.runner import BLOCK_SIZE_CASES, format_table, write_json, write_plot
     from kvmux.bench.runner import run as run_cases
     from kvmux.bench.timing import Progress
 
@@ -147,6 +156,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         raise SystemExit("--warmup must be 0 or more")
+    block_size = getattr(args, "block_size", 16)
+    if block_size is None or block_size <= 0 or block_size % 16:
+        raise SystemExit(
+            f"--block-size must be a positive multiple of 16 (vLLM's GPU block sizes: "
+            f"16, 32, 64, ...), not {block_size}"
+        )
     if args.only:
         cannot = [k for k in args.only if k in UNAVAILABLE]
         if cannot:
@@ -157,12 +172,18 @@ def run(args: argparse.Namespace) -> int:
         for k, why in UNAVAILABLE.items():
             print(f"bench {k} skipped: {why}", file=sys.stderr)
     keys = args.only or list(CASES)
+    if block_size != 16 and not set(keys) & set(BLOCK_SIZE_CASES):
+        print(
+            f"bench: --block-size {block_size} changes only {', '.join(BLOCK_SIZE_CASES)}",
+            file=sys.stderr,
+        )
     results = run_cases(
         keys,
         quick=args.quick,
         repeats=args.repeats,
         warmup=args.warmup,
         progress=Progress(enabled=not args.no_progress),
+        block_size=block_size,
     )
     print(format_table(results))
     if args.json:
