@@ -8,10 +8,11 @@ after scheduling, finishing twice, async-save completions held back and
 released out of order, async loads held back past their load deadline (the
 load failed, the late completion released afterwards), duplicated
 completions and completions of requests a child never saved, prefix-cache
-resets, through
-``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children, driven
-by vLLM's real scheduler (``kvmux.bench.sim``, with ``tests.harness``'s KV
-writes). Invariants are checked after every step and at the end through
+resets, and on vLLM 0.34 ``--max-num-inflight-kv-loads`` with a full batch
+(async loads started in "loads only" mode, lookups that get no allocation),
+through ``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children,
+driven by vLLM's real scheduler (``kvmux.bench.sim``, with
+``tests.harness``'s KV writes). Invariants are checked after every step and at the end through
 public introspection calls only.
 
 CI runs ``KVMUX_FUZZ_EXAMPLES`` (default 200) examples of 50 requests each:
@@ -31,10 +32,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
+from kvmux import _versions
 from kvmux._core import HostIndex, SchedulerMux, WorkerMux
 from tests.harness import mux_config, scripted
 
 REQUESTS_PER_EXAMPLE = 50
+KV_WAIT = RequestStatus.WAITING_FOR_REMOTE_KVS
 EXAMPLES = int(os.environ.get("KVMUX_FUZZ_EXAMPLES", "200"))
 PREFIXES = [[1000 * p + t for t in range(48)] for p in range(3)]
 
@@ -137,11 +140,14 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
         breaker_cooldown_ms=1,
     )
     ktc.kv_load_failure_policy = p.get("load_failure_policy") or "fail"
+    inflight = p.get("inflight_kv_loads")
+    max_num_seqs = p.get("max_num_seqs", 6)
     d = driver_factory(
         ktc,
         num_blocks=16,  # 6 running requests of up to 5 blocks each: they preempt
-        max_num_seqs=6,
+        max_num_seqs=max_num_seqs,
         write_kv=False,
+        **({"max_num_inflight_kv_loads": inflight} if inflight else {}),
     )
     host = d.connector.children[0]
     workers = d.worker.children[1:]
@@ -157,6 +163,30 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
     d.connector.request_finished_all_groups = recording_finish
     added = []
     raises_from = p.get("a_raises_from")
+    a_calls = d.connector.children[1].calls
+
+    def step() -> None:
+        """One engine step; counts, under --max-num-inflight-kv-loads, the
+        async loads started while the running batch was full ("loads only")
+        and the lookups that got no allocation then."""
+        full = len(d.scheduler.running) >= max_num_seqs
+        waiting_kv = {r for r, q in d.scheduler.requests.items() if q.status == KV_WAIT}
+        looked_up = len(a_calls)
+        so = d.step()
+        preempted = len(so.preempted_req_ids or ())
+        seen["preemptions"] += preempted
+        if inflight and full and not preempted:
+            now_kv = {r for r, q in d.scheduler.requests.items() if q.status == KV_WAIT}
+            seen["loads_only_starts"] += len(now_kv - waiting_kv)
+            asked = {r for op, r in a_calls[looked_up:] if op == "lookup"}
+            seen["loads_only_unallocated"] += sum(
+                1
+                for r in asked
+                if r in d.scheduler.requests
+                and d.scheduler.requests[r].status == RequestStatus.WAITING
+            )
+        check_step(d, host, workers)
+
     for i, (add, others) in enumerate(p["events"]):
         if raises_from is not None and raises_from <= i < raises_from + 10:
             d.connector.children[1].script["fail"] = "get_num_new_matched_tokens"
@@ -173,9 +203,7 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
         added.append(rid)
         for op in others:
             if op[0] == "step":
-                so = d.step()
-                seen["preemptions"] += len(so.preempted_req_ids or ())
-                check_step(d, host, workers)
+                step()
             elif op[0] == "abort":
                 rid_k = added[op[1] % len(added)]
                 if rid_k in d.scheduler.requests:
@@ -202,9 +230,7 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
     for _ in range(3000):
         if not d.scheduler.requests:
             break
-        so = d.step()
-        seen["preemptions"] += len(so.preempted_req_ids or ())
-        check_step(d, host, workers)
+        step()
     assert not d.scheduler.requests, "the scheduler did not drain"
     assert set(d.finished_sending) == asynced, "an async request was never reported"
     assert d.connector.num_live_requests() == 0
@@ -327,6 +353,53 @@ LATE_LOADS_PLAN = {
 }
 
 
+#: vLLM 0.34's "loads only" mode whatever Hypothesis generates: with
+#: ``--max-num-inflight-kv-loads 2``, 50 requests queue behind a full batch
+#: of 2 (``max_num_seqs``: the batch, not the 16 device blocks, is full);
+#: child ``a`` may load every request asynchronously (so each waits in
+#: vLLM's async-load queue), and under ``longest`` the host tier's 48 cached
+#: tokens beat ``a``'s offer for every other request: those lookups end in a
+#: synchronous load, which "loads only" mode does not admit (a lookup that
+#: gets no allocation, its offer released at the next lookup or the finish).
+LOADS_ONLY_PLAN = {
+    "a": {
+        "matched": 32,
+        "async_save": False,
+        "not_ready": 0,
+        "fail_loads": False,
+        "repeat_completions": False,
+        "load_async": True,
+    },
+    "a_deadline_ms": None,
+    "a_load_deadline_ms": None,
+    "load_failure_policy": "recompute",
+    "a_raises_from": None,
+    "b": {
+        "async_save": True,
+        "params": {"b": 1},
+        "report_all_finished": False,
+        "repeat_completions": False,
+    },
+    "load_policy": "longest",
+    "host_blocks": 24,
+    "inflight_kv_loads": 2,
+    "max_num_seqs": 2,
+    "events": [
+        (
+            {
+                "prefix": i % 3,
+                "shared": 48 if i % 2 else 0,
+                "suffix": 16 if i % 2 else 40,
+                "max_tokens": 6,
+                "ask": bool(i % 3),
+            },
+            [("step",)] if i % 4 == 3 else [],
+        )
+        for i in range(REQUESTS_PER_EXAMPLE)
+    ],
+}
+
+
 def test_random_lifecycles_keep_every_invariant(driver_factory):
     """Hypothesis runs :data:`PREEMPTING_PLAN`, :data:`FAULTY_PLAN`,
     :data:`LATE_LOADS_PLAN` and
@@ -347,11 +420,18 @@ def test_random_lifecycles_keep_every_invariant(driver_factory):
     @example(p=PREEMPTING_PLAN)
     @example(p=FAULTY_PLAN)
     @example(p=LATE_LOADS_PLAN)
+    @example(p=LOADS_ONLY_PLAN)
     def fuzz(p):
+        if p.get("inflight_kv_loads") and not _versions.HAS_INFLIGHT_KV_LOADS:
+            return  # vLLM before 0.34: no --max-num-inflight-kv-loads
         run_plan(driver_factory, p, seen)
 
     fuzz()
-    assert seen["lifecycles"] >= REQUESTS_PER_EXAMPLE * (EXAMPLES + 3)
+    examples = EXAMPLES + 3 + _versions.HAS_INFLIGHT_KV_LOADS
+    assert seen["lifecycles"] >= REQUESTS_PER_EXAMPLE * examples
+    if _versions.HAS_INFLIGHT_KV_LOADS:
+        assert seen["loads_only_starts"] > 0, "no async load started with a full batch"
+        assert seen["loads_only_unallocated"] > 0, "no lookup went unallocated in loads-only"
     assert seen["preemptions"] > 0, "the workload never preempted"
     assert seen["load_errors"] > 0, "no load ever failed"
     for key in (
