@@ -17,15 +17,19 @@ from typing import Any
 import pytest
 
 from kvmux.bench.lmcache import HOST, LMCacheServer, free_port
+from kvmux.config import lmcache_refusal
 
 __all__ = [
     "HOST",
     "LMCacheServer",
     "TimeLimitExceeded",
     "free_port",
+    "lmcache_refusal",
+    "lmcache_runs",
     "lmcache_server",
     "model_dir",
     "own_lmcache_server",
+    "skip_unless_lmcache_runs",
     "time_limit",
 ]
 
@@ -58,6 +62,22 @@ def time_limit(seconds: float, what: str = "test") -> Iterator[None]:
 
 def _require_lmcache() -> None:
     pytest.importorskip("lmcache.v1.multiprocess.server", reason="LMCache is not installed")
+
+
+@pytest.fixture
+def lmcache_runs() -> None:
+    """Skips a test that serves through LMCache where kvmux refuses it at
+    start-up (vLLM 0.34 with lmcache 0.5.6), saying why; the refusal itself
+    is tested in ``tests/test_lmcache_vllm034.py``."""
+    skip_unless_lmcache_runs()
+
+
+def skip_unless_lmcache_runs() -> None:
+    """:func:`lmcache_runs` for a module- or session-scoped fixture."""
+    _require_lmcache()
+    why = lmcache_refusal()  # kvmux.config's, cached
+    if why is not None:
+        pytest.skip(f"LMCache cannot serve on this vLLM; kvmux refuses it at start-up: {why}")
 
 
 @pytest.fixture(scope="session")

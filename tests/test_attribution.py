@@ -87,7 +87,11 @@ def test_a_failed_load_is_not_credited(driver_factory):
     assert got[SCRIPTED] == 0 == d.finished["a"]["num_extra_cached_tokens"]
 
 
-def test_lmcache_and_the_host_tier_are_credited_side_by_side(lmcache_server, make_sim):  # noqa: F811
+def test_lmcache_and_the_host_tier_are_credited_side_by_side(
+    lmcache_runs,
+    lmcache_server,
+    make_sim,  # noqa: F811
+):
     """LMCache holds the prefix after a local wipe: it is credited; once
     vLLM's own cache holds it, the local prefix cache is."""
     d = make_sim([lmcache_server.child(), host_child()])

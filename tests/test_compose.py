@@ -36,6 +36,7 @@ def wipe_device(d) -> None:
 
 
 def test_the_host_tier_and_lmcache_load_consecutive_spans_byte_exact(
+    lmcache_runs,
     lmcache_server,
     make_sim,  # noqa: F811
 ):
@@ -127,6 +128,7 @@ def promoted(lmcache_server, build, promote: bool):
 
 
 def test_a_prefix_lmcache_served_once_is_served_by_the_host_tier_next(
+    lmcache_runs,
     lmcache_server,
     make_sim,  # noqa: F811
 ):
@@ -143,7 +145,7 @@ def test_a_prefix_lmcache_served_once_is_served_by_the_host_tier_next(
     assert promoted_blocks == 3
 
 
-def test_with_promote_off_lmcache_serves_it_again(lmcache_server, make_sim):  # noqa: F811
+def test_with_promote_off_lmcache_serves_it_again(lmcache_runs, lmcache_server, make_sim):  # noqa: F811
     d = promoted(lmcache_server, make_sim, promote=False)
     assert d.finished["C"][BY_CHILD_KEY] == {HOST: 0, LM: 48, LOCAL_KEY: 0}
 

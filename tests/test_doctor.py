@@ -233,7 +233,7 @@ def test_layer_kinds_are_read_from_config_json(tmp_path, cfg, layers):
     assert read_model_kv(model_folder(tmp_path, cfg)).layers == layers
 
 
-def test_doctor_prints_the_source_each_childs_hits_are_counted_under():
+def test_doctor_prints_the_source_each_childs_hits_are_counted_under(lmcache_runs):
     """How vLLM's ``prompt_tokens_cached_by_source`` will label each child's
     hits: the host tier as host, NIXL as p2p, LMCache (which declares
     nothing) as external_unspecified, a connector that splits its own hits

@@ -28,6 +28,11 @@ from kvmux.cli.fleet import (
 from tests.readme_configs import ROOT, readme_configs, substitute
 from tests.test_doctor import doctor
 
+# Every instance here serves the quick start (LMCache): on a vLLM where kvmux
+# refuses LMCache (lmcache 0.5.6 on 0.34) each would report that refusal;
+# skipped there with it (tests/test_lmcache_vllm034.py tests the refusal).
+pytestmark = pytest.mark.usefixtures("lmcache_runs")
+
 QUICKSTART = readme_configs()["quickstart"].config
 NO_SERVICE = readme_configs()["no-service"].config
 MODEL = "Qwen/Qwen3-8B"

@@ -26,7 +26,9 @@ FILES = {
 }
 
 
-def mux(name: str, *children: dict[str, Any], role: str = "kv_producer") -> dict[str, Any]:
+def mux(name: str, *children: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
+    """kvmux over ``children``; ``role``, the top-level ``kv_role``, must
+    agree with the children's on vLLM 0.34 (``kvmux.parent_name``)."""
     return {
         "kv_connector": name,
         "kv_connector_module_path": "kvmux",
@@ -127,7 +129,7 @@ def test_push_against_pull_is_refused():
             "share none",
         ),
         (
-            mux("KvmuxConnector", NIXL_P, {**NIXL_P, "name": "second"}),
+            mux("KvmuxConnector", NIXL_P, {**NIXL_P, "name": "second"}, role="kv_producer"),
             NIXL_D,
             "lists 2 NIXL connectors",
         ),

@@ -195,6 +195,7 @@ def test_tier_gauges_reach_prometheus_and_kv_connector_stats(sims):
 
 
 def test_under_compose_lmcaches_span_counts_under_its_own_source(
+    lmcache_runs,
     lmcache_server,
     make_sim,  # noqa: F811
 ):

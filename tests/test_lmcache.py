@@ -22,6 +22,10 @@ from kvmux import KvmuxChildError
 from tests.harness import SchedulerSim, mux_config, upstream_config
 from tests.lmcache_server import time_limit
 
+# On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
+# skipped with the refusal: tests/test_lmcache_vllm034.py tests that instead.
+pytestmark = pytest.mark.usefixtures("lmcache_runs")
+
 PREFIX = list(range(300, 348))  # 48 tokens: 3 vLLM blocks = 3 LMCache chunks
 ASK = {"cached_token_stats": True, "num_extra_cached_tokens": True}
 LM, HOST = "LMCacheMPConnector", "KvmuxHostCache"

@@ -57,7 +57,7 @@ from vllm.distributed.kv_events import (
 
 from kvmux.bench import sim
 from tests.harness import SchedulerSim, mux_config
-from tests.lmcache_server import LMCacheServer, time_limit
+from tests.lmcache_server import LMCacheServer, skip_unless_lmcache_runs, time_limit
 from tests.published import Published
 
 pytest.importorskip("lmcache.v1.multiprocess.server", reason="LMCache is not installed")
@@ -67,6 +67,10 @@ from lmcache.integration.vllm.lmcache_mp_connector import (  # noqa: E402
 )
 from lmcache.v1.multiprocess.custom_types import KV_EVENT_CAPABILITY  # noqa: E402
 from lmcache.v1.multiprocess.token_hasher import TokenHasher  # noqa: E402
+
+# On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
+# skipped with the refusal: tests/test_lmcache_vllm034.py tests that instead.
+pytestmark = pytest.mark.usefixtures("lmcache_runs")
 
 LM, HOST = "LMCacheMPConnector", "KvmuxHostCache"
 CHUNK = 16  # the server's --chunk-size: vLLM's block size here
@@ -212,6 +216,7 @@ def runs(
 ) -> Iterator[dict[str, Published]]:
     """The workload run once with LMCache alone and once under kvmux over
     [host tier, LMCache], against one server of its own: what each published."""
+    skip_unless_lmcache_runs()
     server_args, extra = SOURCES[request.param]
     tmp = tmp_path_factory.mktemp(f"lmcache-events-{request.param}")
     server = LMCacheServer(tmp / "server.log", extra_args=server_args).start()

@@ -111,6 +111,10 @@ from tests.test_lmcache import (
     store_prefix,
 )
 
+# On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
+# skipped with the refusal: tests/test_lmcache_vllm034.py tests that instead.
+pytestmark = pytest.mark.usefixtures("lmcache_runs")
+
 #: kvmux's deadline for LMCache's lookups in these tests.
 DEADLINE_MS = 300
 #: A request is "scheduled within the deadline" if this long after it was

@@ -280,6 +280,7 @@ _BUILTIN_LMCACHE_MP = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_c
 _BUILTIN_ADAPTER_KEY = "server_url"
 
 
+@functools.cache
 def _reads_attribute(cls: type, attr: str) -> bool:
     """Whether a method of ``cls`` or its bases reads ``.attr`` directly (an
     attribute load in its bytecode; ``getattr(x, "attr", default)`` is not)."""
@@ -325,7 +326,7 @@ def _version(module: str) -> str:
         return dist
 
 
-def _known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
+def known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
     """The refusal (naming the versions, why and the fix) for a child class
     known to crash on the installed vLLM; None for any other. Decided by
     what the class and this vLLM can do, not by version strings: lmcache
@@ -338,9 +339,7 @@ def _known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
     from kvmux import _versions
 
     vv, path = f"vLLM {vllm.__version__}", f"{cls.__module__}.{cls.__qualname__}"
-    builtin = _builtin_lmcache_mp_error()
-    reads = not _versions.HAS_RESUMED_REQ_IDS and _reads_attribute(cls, "resumed_req_ids")
-    if cls.__module__ == _BUILTIN_LMCACHE_MP and builtin is not None:
+    if cls.__module__ == _BUILTIN_LMCACHE_MP and (builtin := _builtin_lmcache_mp_error()):
         lv = _version("lmcache")
         fix = (
             "unset LMCACHE_USE_UPSTREAM_MP in the vLLM server's environment (lmcache's own "
@@ -353,12 +352,12 @@ def _known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
             f"{where} resolves to vLLM's built-in {path} (LMCACHE_USE_UPSTREAM_MP is set), "
             f"which fails at start-up with {lv} (a TypeError: {builtin}); {fix}"
         )
-    if not reads:
+    if _versions.HAS_RESUMED_REQ_IDS or not _reads_attribute(cls, "resumed_req_ids"):
         return None
     dist = _version(cls.__module__)
     if cls.__name__ != "LMCacheMPConnector":
         fix = f"upgrade {dist.split(' ')[0]} to a release that supports {vv}"
-    elif builtin is None:
+    elif (builtin := _builtin_lmcache_mp_error()) is None:
         fix = (
             "set LMCACHE_USE_UPSTREAM_MP=1 in the vLLM server's environment"
             + (" and drop kv_connector_module_path" if ktc.kv_connector_module_path else "")
@@ -376,9 +375,22 @@ def _known_crash(cls: type, ktc: KVTransferConfig, where: str) -> str | None:
         f"{where} resolves to {path} ({dist}), which reads "
         "scheduler_output.scheduled_cached_reqs.resumed_req_ids in build_connector_meta on "
         f"every step with a running request; {vv}'s CachedRequestData has no such field "
-        "(removed in vLLM 0.34), so this child would crash the engine mid-serving, at the "
-        f"first decode step; {fix}"
+        "(removed in vLLM 0.34), so it would crash the engine mid-serving, as soon "
+        f"as a request runs a second step (its first decode); {fix}"
     )
+
+
+@functools.cache
+def lmcache_refusal() -> str | None:
+    """kvmux's start-up refusal of LMCache's ``LMCacheMPConnector``, as
+    vLLM's factory resolves it on the installed vLLM, LMCache and
+    environment (:func:`known_crash`), or None where it runs (lmcache 0.5.6
+    runs on vLLM 0.32 and 0.33, not on 0.34). Imports LMCache: seconds."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ktc = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both")
+    return known_crash(KVConnectorFactory.get_connector_class(ktc), ktc, "LMCacheMPConnector")
 
 
 def _child(
@@ -440,7 +452,7 @@ def _child(
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
         problems.append(f"{where} resolves to {cls!r}, which is not a KVConnectorBase_V1 subclass")
         return None
-    crash = _known_crash(cls, ktc, where)  # would start, then fail mid-serving
+    crash = known_crash(cls, ktc, where)  # a class known to crash on this vLLM
     if crash is not None:
         problems.append(crash)
         return None

@@ -42,12 +42,26 @@ SERVER_MODULE = "lmcache.v1.multiprocess.server"
 
 def unavailable() -> str | None:
     """Why the LMCache server cannot be run here (None: it can). Only looks
-    for the package: importing LMCache takes seconds."""
+    for the package: importing LMCache takes seconds (see :func:`refused`)."""
     try:
         found = importlib.util.find_spec("lmcache") is not None
     except (ImportError, ValueError):
         found = False
     return None if found else "LMCache is not installed (pip install lmcache; tested: 0.5.6)"
+
+
+def refused() -> str | None:
+    """Why kvmux refuses LMCache as a child on the installed vLLM (lmcache
+    0.5.6 on vLLM 0.34), or None: asked only when benchmarks run, since on
+    such a vLLM it imports vLLM and LMCache."""
+    from kvmux import _versions
+
+    if _versions.HAS_RESUMED_REQ_IDS:
+        return None
+    from kvmux.config import lmcache_refusal
+
+    why = lmcache_refusal()
+    return None if why is None else f"kvmux refuses LMCache on this vLLM at start-up: {why}"
 
 
 def free_port() -> int:

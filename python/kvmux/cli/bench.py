@@ -148,9 +148,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvmux.bench import CASES, UNAVAILABLE
+    from kvmux.bench.lmcache import refused
     from kvmux.bench.runner import BLOCK_SIZE_CASES, format_table, write_json, write_plot
     from kvmux.bench.runner import run as run_cases
     from kvmux.bench.timing import Progress
+
+    if "C1L" in CASES and (why := refused()) is not None:
+        del CASES["C1L"]  # listed where LMCache is installed; it cannot run on this vLLM
+        UNAVAILABLE["C1L"] = why
 
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")

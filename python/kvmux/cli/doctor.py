@@ -123,7 +123,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvmux.config import HMA_FIX, parse_mux_config
+    from kvmux.config import HMA_FIX, known_crash, parse_mux_config
     from kvmux.connector import KvmuxConnector
     from kvmux.errors import KvmuxConfigError
     from kvmux.parent_name import parent_name_problems
@@ -147,6 +147,9 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
         rep.problems.append(f"connector {rep.connector!r} cannot be loaded: {e}")
         return rep
     if not (isinstance(cls, type) and issubclass(cls, KvmuxConnector)):
+        crash = known_crash(cls, ktc, f"connector {rep.connector!r}")
+        if crash is not None:
+            rep.problems.append(crash)
         validate = getattr(cls, "validate_transfer_config", None)
         try:
             if callable(validate):
