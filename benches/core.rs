@@ -7,11 +7,11 @@ use std::hint::black_box;
 use std::thread;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvmux_core::block_index::BlockIndex;
 use kvmux_core::error::ChildFault;
-use kvmux_core::merge::{merge, ClashPolicy, ValueEq};
+use kvmux_core::host_tier::BlockIndex;
+use kvmux_core::mux::merge::{merge, ClashPolicy, ValueEq};
+use kvmux_core::mux::requests::{ChildMatch, LoadPolicy, RequestTable};
 use kvmux_core::mux::{ChildFinish, Params, SchedulerMux, Want};
-use kvmux_core::requests::{ChildMatch, LoadPolicy, RequestTable};
 
 const CHILDREN: usize = 3;
 const REQUESTS: usize = 1024;

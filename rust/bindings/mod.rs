@@ -1,6 +1,6 @@
-//! The only code that knows PyO3, one file per core module it converts
-//! for (`mux.rs` for `crate::mux`, `block_index.rs` for
-//! `crate::block_index`); this one holds the module and the error classes.
+//! The only code that knows PyO3, one folder per product, mirroring the
+//! core (`mux/` for `crate::mux`, `host_tier/` for `crate::host_tier`);
+//! this one holds the module and the error classes.
 //! It converts, and nothing else: Python answers of the children into the
 //! core's values, the core's answers and errors into Python objects and
 //! exceptions.
@@ -14,15 +14,15 @@ use pyo3::types::{PyBytes, PyString, PyType};
 use std::borrow::Cow;
 use std::fmt::Write;
 
-use crate::merge::ClashPolicy;
+use crate::mux::merge::ClashPolicy;
+use crate::mux::requests::{LoadPolicy, MAX_CHILDREN};
+use crate::mux::stats::{CHILD_NAMES, TOTAL_NAMES};
 use crate::mux::{BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY};
-use crate::requests::{LoadPolicy, MAX_CHILDREN};
-use crate::stats::{CHILD_NAMES, TOTAL_NAMES};
 
-mod block_index;
+mod host_tier;
 mod mux;
 
-use block_index::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
+use host_tier::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
 use mux::{fan_out, PyKvmuxMetadata, PySchedulerMux, PyWorkerMux};
 
 // ------------------------------------------------------------------- keys

@@ -9,6 +9,12 @@
 //! child's answer through a closure (`ask(i)`), so every rule runs under
 //! `cargo test` with plain Rust children, and the bindings only convert
 //! Python answers to [`ChildMatch`], `bool` and [`Params`].
+//!
+//! The rest of the multiplexer is its own modules here: [`requests`] (the
+//! per-request table, load policies), [`merge`] (the clash-checked merge of
+//! transfer params), [`completions`] (the worker side's completions, with
+//! each child's identity), [`breaker`] (a circuit breaker per child) and
+//! [`stats`] (atomic counters, taken per interval).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,14 +22,19 @@ use std::time::Duration;
 use smallvec::{smallvec, SmallVec};
 
 use crate::error::{ChildFault, MuxError};
-use crate::merge::{Clash, Merged, ValueEq};
-use crate::requests::{ChildMatch, Lookup, MAX_CHILDREN};
+use crate::mux::merge::{Clash, Merged, ValueEq};
+use crate::mux::requests::{ChildMatch, Lookup, MAX_CHILDREN};
 
+pub mod breaker;
+pub mod completions;
 pub mod hma;
+pub mod merge;
 pub mod notice;
 pub mod plan;
+pub mod requests;
 mod scheduler;
 mod sources;
+pub mod stats;
 mod worker;
 pub use scheduler::{Credits, Held, SchedulerMux};
 pub use sources::{combine as combine_sources, Span};
@@ -193,7 +204,7 @@ pub struct Finished<P, V, E> {
 }
 
 /// What the scheduler side sends its workers with the next step's metadata
-/// (see [`crate::completions`]).
+/// (see [`crate::mux::completions`]).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Outbox {
     /// Finished requests saved asynchronously -> (bit set of the children

@@ -7,9 +7,9 @@ use std::fmt::{Display, Write};
 
 use super::hook;
 use super::Contained;
-use crate::breaker::{State, Transition};
 use crate::error::ChildFault;
-use crate::merge::{Clash, KeyRule};
+use crate::mux::breaker::{State, Transition};
+use crate::mux::merge::{Clash, KeyRule};
 
 /// A notice's log level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

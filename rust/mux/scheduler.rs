@@ -10,13 +10,13 @@ use smallvec::{smallvec, SmallVec};
 use super::hma::{Hma, Route, TooManyGroups};
 use super::notice::{self, Notice};
 use super::*;
-use crate::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
 use crate::error::{ChildFault, MuxError};
-use crate::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged};
-use crate::requests::{
+use crate::mux::breaker::{BreakerConfig, Breakers, Outcome, State, Transition};
+use crate::mux::merge::{self, Clash, ClashPolicy, KeyRule, MergeError, Merged};
+use crate::mux::requests::{
     all_children, Asked, ChildMatch, LoadPolicy, Lookup, RequestState, RequestTable,
 };
-use crate::stats::{Child, Counters, Snapshot, Total};
+use crate::mux::stats::{Child, Counters, Snapshot, Total};
 
 /// The scheduler side of the multiplexer of `n` children: every rule a
 /// request's scheduler-side events follow (lookup, allocation, finish,
@@ -189,7 +189,7 @@ impl SchedulerMux {
     }
 
     /// Give child i the circuit breaker `breakers[i]` (see
-    /// [`crate::breaker`]): its failed lookups (deadline missed, or raised:
+    /// [`crate::mux::breaker`]): its failed lookups (deadline missed, or raised:
     /// then contained as a miss instead of failing the call) open it, and
     /// while it is open the child is a miss, not asked, for every request
     /// but the probe. It still gets every other hook.

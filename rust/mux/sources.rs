@@ -12,7 +12,7 @@
 //! `CacheHitSource` values as strings.
 
 use super::SchedulerMux;
-use crate::requests::LoadPolicy;
+use crate::mux::requests::LoadPolicy;
 
 /// Child `i` supplied `tokens` of a load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,8 +107,8 @@ pub fn combine<K: PartialEq, E>(
 mod tests {
     use super::*;
     use crate::error::ChildFault;
-    use crate::merge::ClashPolicy;
-    use crate::requests::ChildMatch;
+    use crate::mux::merge::ClashPolicy;
+    use crate::mux::requests::ChildMatch;
 
     type Split = Option<Vec<(&'static str, u64)>>;
 

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 
 use super::{check_names, deadline_bits, one_per_child};
-use crate::completions::{Completions, Verdict};
 use crate::error::MuxError;
-use crate::stats::{Child, Counters, Snapshot, Total};
+use crate::mux::completions::{Completions, Verdict};
+use crate::mux::stats::{Child, Counters, Snapshot, Total};
 
 /// The worker side of the multiplexer of `n` children.
 #[derive(Debug)]
@@ -32,7 +32,7 @@ pub struct WorkerMux {
 
 impl WorkerMux {
     /// The worker side over children named `names` (1 to
-    /// [`crate::requests::MAX_CHILDREN`]), child i's async loads failed
+    /// [`crate::mux::requests::MAX_CHILDREN`]), child i's async loads failed
     /// once `load_deadlines[i]` passed (see [`WorkerMux::expire_loads`]).
     pub fn new<E>(
         names: Vec<String>,

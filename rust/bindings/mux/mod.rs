@@ -11,10 +11,10 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 
 use super::{key_str, repr, str_key};
 use crate::error::ChildFault;
-use crate::merge::ValueEq;
+use crate::mux::merge::ValueEq;
 use crate::mux::plan::{Fact, Fanout};
+use crate::mux::requests::ChildMatch;
 use crate::mux::{ChildFinish, Params};
-use crate::requests::ChildMatch;
 
 mod metadata;
 mod scheduler;
@@ -239,7 +239,7 @@ pub(super) fn answer<'py, T: Clone>(
 /// into `{"clashes": {policy: n}}` (see `Snapshot::report`).
 pub(super) fn counters_dict<'py, 'a>(
     py: Python<'py>,
-    snap: &crate::stats::Snapshot,
+    snap: &crate::mux::stats::Snapshot,
     sparse: bool,
     clash_policy: &'static str,
     name: impl Fn(usize) -> &'a str,

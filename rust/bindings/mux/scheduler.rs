@@ -21,17 +21,17 @@ use super::{
     answer, any_answer, fanout, key_str, ms, raised, request_id, str_key, to_bool, to_finish,
     to_match, PyKvmuxMetadata, PyParams,
 };
-use crate::breaker::BreakerConfig;
 use crate::error::{ChildFault, MuxError};
-use crate::merge::ClashPolicy;
+use crate::mux::breaker::BreakerConfig;
 use crate::mux::hma::Route;
+use crate::mux::merge::ClashPolicy;
 use crate::mux::notice::{fault_detail, Notice};
 use crate::mux::plan::{worker_meta_entries, Fanout};
+use crate::mux::requests::{ChildMatch, LoadPolicy};
 use crate::mux::{
     hook, ChildFinish, FinishedParams, SchedulerMux, Supplied, Want, BY_CHILD_KEY, EXTRA_KEY,
     LOCAL_KEY,
 };
-use crate::requests::{ChildMatch, LoadPolicy};
 
 type Plan<T> = Fanout<Py<PyAny>, T>;
 

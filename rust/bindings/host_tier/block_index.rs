@@ -1,4 +1,4 @@
-//! The host tier's index's bindings (`crate::block_index`).
+//! The host tier's index's bindings (`crate::host_tier::block_index`).
 
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
@@ -6,12 +6,13 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::{key_str, repr, str_key};
-use crate::block_index::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
+use crate::bindings::{key_str, repr, str_key};
 use crate::error::IndexError;
+use crate::host_tier::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
 
-/// The host tier's block index (see `block_index.rs`) behind one lock: every
-/// call is a whole request's or a whole step's worth of blocks.
+/// The host tier's block index (see `crate::host_tier::block_index`)
+/// behind one lock: every call is a whole request's or a whole step's worth
+/// of blocks.
 #[pyclass(frozen, name = "HostIndex", module = "kvmux._core")]
 pub struct PyHostIndex {
     inner: Mutex<BlockIndex>,
@@ -364,7 +365,8 @@ fn slot_counts(d: &Bound<'_, PyDict>) -> PyResult<Vec<(u32, u32)>> {
         .collect()
 }
 
-/// Chained 128-bit hashes of the full blocks of `tokens` (see `block_index.rs`).
+/// Chained 128-bit hashes of the full blocks of `tokens` (see
+/// `crate::host_tier::block_index`).
 #[pyfunction(name = "chain_token_hashes")]
 pub(crate) fn py_chain_token_hashes<'py>(
     py: Python<'py>,
