@@ -1,6 +1,6 @@
 """Completions with a child's identity, through vLLM's real v1 ``Scheduler``
 and worker-side connectors (``tests/harness.py``; the rules:
-``rust/completions.rs``).
+``rust/mux/completions.rs``).
 
 vLLM trusts every "finished sending" / "finished receiving" id a connector
 reports: a duplicate or a stale one corrupts its bookkeeping or crashes the

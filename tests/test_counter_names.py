@@ -1,6 +1,6 @@
 """kvmux's counter names have one source, the Rust core
 (``kvmux._core.CHILD_COUNTERS`` and ``TOTAL_COUNTERS``, from
-``rust/stats.rs``): the stats keys, the ``kvmux_*`` Prometheus table and the
+``rust/mux/stats.rs``): the stats keys, the ``kvmux_*`` Prometheus table and the
 metric table of docs/metrics.md agree with it. Every core counter is exported; nothing
 is exported or documented that the core does not count. The one deliberate
 difference: the interval stats fold ``clashes_resolved`` and

@@ -2,7 +2,7 @@
 
 :class:`MuxWorker` owns the children (built for the worker role) and the
 completions the workers wait for, each with its child's identity (the Rust
-``WorkerMux``, ``rust/mux/worker.rs`` over ``rust/completions.rs``): a request saved by k
+``WorkerMux``, ``rust/mux/worker.rs`` over ``rust/mux/completions.rs``): a request saved by k
 children is finished sending once each of the k reported it, a load is
 finished when the loading child reports it, and a completion from a child
 that owed none (a duplicate, a stray, one of a child whose failure on the
