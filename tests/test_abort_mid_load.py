@@ -17,7 +17,7 @@ saves asynchronously; then the *first* ``finished_recving`` or
 ``finished_sending`` of it frees the request, and the second one hits
 ``assert req_id in self.requests`` and takes the engine core down. kvmux
 holds every completion of such a request but the last
-(``rust/mux/scheduler.rs``, ``SchedulerMux::reported``): vLLM hears of it once, after the load
+(``rust/mux/scheduler/held.rs``, ``SchedulerMux::reported``): vLLM hears of it once, after the load
 and the save both ended, and frees its blocks then. vLLM's own
 ``MultiConnector`` passes both and crashes.
 """

@@ -11,7 +11,7 @@ the first holds ``[0, 32)``, the second ``[0, 48)`` and is asked after the
 first's hit, so it loads ``[32, 48)``. Each reports its load finished in the
 step that starts it unless the test holds it (``hold_loads``), so the two
 completions arrive in the steps and the order a test chooses. The rules
-under test: ``rust/mux/scheduler.rs`` (``allocated``: the bit set of async loaders)
+under test: ``rust/mux/scheduler/admission.rs`` (``allocated``: the bit set of async loaders)
 and ``rust/mux/completions.rs`` (a receive is done when each loader reported;
 failed, in vLLM's ``finished_recving`` and ``failed_recving`` both, when one
 of them reported its load failed). The failed-receive tests found that

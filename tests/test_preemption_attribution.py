@@ -5,7 +5,7 @@ Through vLLM 0.33's real v1 ``Scheduler`` with kvmux over the real
 ``KvmuxHostCache`` (``tests/harness.py``); preemptions are forced by a small
 device KV cache. A preempted request is looked up again from scratch; vLLM's
 prefix cache may then hold what the host tier loaded before. The rule under
-test (``rust/mux/scheduler.rs``, ``Credits``): the tokens an earlier admission credited
+test (``rust/mux/scheduler/admission.rs``, ``Credits``): the tokens an earlier admission credited
 (to vLLM's local prefix cache or a child) stay credited, and a later
 admission credits only the tokens after them, so ``cached_tokens_by_child``
 sums to ``num_extra_cached_tokens`` and no token is counted by two sources

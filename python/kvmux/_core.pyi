@@ -82,7 +82,7 @@ class KvmuxMetadata:
 
 @final
 class SchedulerMux:
-    """The scheduler side of the multiplexer (``rust/mux/scheduler.rs``)
+    """The scheduler side of the multiplexer (``rust/mux/scheduler/``)
     over its children's hooks. Its methods named in :data:`SCHEDULER_HOOKS`
     are the connector's: vLLM's call goes straight into Rust."""
 

@@ -29,7 +29,7 @@ What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 - a child failing in a scheduler or worker hook raises
   :class:`KvmuxChildError` naming it (per-layer hooks excepted, see
   ``save_kv_layer``), and a failure on a request the child never took part
-  in is contained (``SchedulerMux::finish`` in ``rust/mux/scheduler.rs``);
+  in is contained (``SchedulerMux::finish`` in ``rust/mux/scheduler/finish.rs``);
 - children whose hook only returns a constant are not called at all.
 """
 

@@ -1,6 +1,6 @@
 //! The multiplexer's rules, one type per role.
 //!
-//! [`SchedulerMux`] (`scheduler.rs`) decides, for every scheduler-side
+//! [`SchedulerMux`] (`scheduler/`, a file per phase) decides, for every scheduler-side
 //! event of a request, what the
 //! multiplexer answers vLLM and what it remembers: which child loads, how
 //! many tokens it supplied, which children took part, how many async saves

@@ -1,0 +1,332 @@
+//! `request_finished`, `request_finished_all_groups` and
+//! `register_finished_partial_tail`: [`SchedulerMux::finish`] calls every
+//! child on the request's way out, counts what it supplied and merges the
+//! params; HMA routing and refusal.
+
+use super::*;
+use std::sync::atomic::Ordering::Relaxed;
+
+use crate::error::{ChildFault, MuxError};
+use crate::mux::hma::{Route, TooManyGroups};
+use crate::mux::merge::{self, Clash, KeyRule, MergeError, Merged};
+use crate::mux::notice::{self, Notice};
+use crate::mux::requests::LoadPolicy;
+
+impl SchedulerMux {
+    /// vLLM's `request_finished_all_groups` of a request holding KV in
+    /// `groups` cache groups: which hook each child gets, with which blocks
+    /// ([`Hma::route`]). A request that children without HMA cannot take
+    /// (several groups) must be refused ([`SchedulerMux::refuse`]): never
+    /// truncated to one group.
+    #[inline]
+    pub fn finish_route(&self, groups: usize) -> Result<Route<'_>, TooManyGroups> {
+        self.hma.route(groups)
+    }
+
+    /// Refuse `req_id`'s finish ([`SchedulerMux::finish_route`]'s error):
+    /// its state is dropped and the error names the children that lack HMA.
+    #[cold]
+    pub fn refuse<E>(&self, req_id: &str, e: TooManyGroups) -> MuxError<E> {
+        self.forget(req_id);
+        MuxError::TooManyGroups {
+            request: req_id.to_owned(),
+            groups: e.groups,
+            children: e.children,
+        }
+    }
+
+    /// The message of [`MuxError::TooManyGroups`]: the request, its groups,
+    /// the children that lack HMA, and the fixes.
+    pub fn refusal(&self, request: &str, groups: usize, children: &[usize]) -> String {
+        let e = TooManyGroups {
+            groups,
+            children: children.to_vec(),
+        };
+        self.hma.refusal(request, &e, |i| self.name(i))
+    }
+
+    /// What to log after a request's finish or partial tail: each failure
+    /// it contained and each clash it resolved on a key never warned about.
+    pub fn exit_notices<E: std::fmt::Display>(
+        &self,
+        req_id: &str,
+        contained: &[Contained<E>],
+        clashes: &[Clash],
+    ) -> Vec<Notice> {
+        let mut out = Vec::new();
+        for c in contained {
+            out.push(notice::contained(self.name(c.child), req_id, c));
+        }
+        let policy = self.clash.as_str();
+        for c in clashes {
+            out.push(notice::clash(c, policy, |i| self.name(i)));
+        }
+        out
+    }
+
+    pub(super) fn drop_spans(&self, req_id: &str) -> Option<Vec<(u64, bool)>> {
+        if self.load == LoadPolicy::Compose {
+            self.spans.remove(req_id).map(|(_, v)| v)
+        } else {
+            None
+        }
+    }
+
+    pub(super) fn release_probe(&self, req_id: &str) {
+        if self.breakers.any_tripped() {
+            self.breakers.release(req_id);
+        }
+    }
+
+    /// A finish hook (`request_finished` or `request_finished_all_groups`;
+    /// `hooks(i)` names the one child `i` gets, `call(i)` is its answer).
+    ///
+    /// Rules:
+    /// - every child is called, even after one fails;
+    /// - a child that never took part in the request (never looked up nor
+    ///   allocated) and fails is *contained*: counted, reported in
+    ///   [`Finished::contained`], treated as "no async save, no params", and
+    ///   the workers are told to drop its completions of the request;
+    /// - a child that took part and fails fails the call, naming it, after
+    ///   every child was called; the request's state is dropped;
+    /// - the request is saving asynchronously if any child says so; k > 1
+    ///   such children make the workers wait for k - 1 extra completions,
+    ///   but only for a request the multiplexer tracked (an untracked one has
+    ///   no blocks anyone saves, and a wait nobody ends would leak);
+    /// - `want`: the multiplexer's own params (made by `own` from
+    ///   [`Supplied`]: [`EXTRA_KEY`], the tokens the children supplied;
+    ///   [`BY_CHILD_KEY`], those of each child and of the local prefix cache)
+    ///   join the children's;
+    /// - the tokens each child supplied and those of the local prefix cache
+    ///   are counted (`served_tokens`, `local_cached_tokens`);
+    /// - a single source of params is handed back uncopied; several are
+    ///   merged under the clash policy, warning once per resolved key;
+    /// - a clash is never an error on a key the request itself asked for
+    ///   (`asked(key)`: the client chose which keys the children answer):
+    ///   every source's value is kept, by source ([`KeyRule::PerSource`]);
+    ///   nor on the multiplexer's own keys, where its value wins (a nested
+    ///   kvmux answers them too). Both are counted as resolved clashes.
+    ///
+    /// The request's state is gone afterwards, whether this succeeds or not.
+    #[allow(clippy::type_complexity)]
+    pub fn finish<P: Params>(
+        &self,
+        req_id: &str,
+        hooks: impl Fn(usize) -> &'static str,
+        want: Want,
+        asked: impl Fn(&str) -> bool,
+        own: impl FnOnce(&Supplied) -> Result<P, P::Error>,
+        call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
+    ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
+        self.unwatch(req_id);
+        // The answers are taken as they come (no vector of them): the
+        // children saving asynchronously, and the params (a contained
+        // child counts as neither).
+        let mut savers = 0u64;
+        let mut sources: Vec<(usize, P)> = Vec::new();
+        let contained = self.call_on_exit(req_id, &hooks, call, |i, ans| {
+            if ans.async_save {
+                savers |= 1u64 << i;
+            }
+            if let Some(p) = ans.params {
+                sources.push((i, p));
+            }
+        })?;
+        self.release_probe(req_id);
+        let seen = self.table.finish(req_id);
+        let state = seen.unwrap_or_default();
+        self.counters.total(Total::Finished, 1);
+        let n_async = savers.count_ones();
+        let mut bits = savers;
+        while bits != 0 {
+            self.counters
+                .child(bits.trailing_zeros() as usize, Child::AsyncSaves, 1);
+            bits &= bits - 1;
+        }
+        // Who supplied the loaded tokens: the chosen child, or under
+        // `compose` each its span, in order (a failed load cut them from
+        // the first bad block on).
+        let spans = self.drop_spans(req_id);
+        let mut by_child = self.split(spans.as_deref(), &state);
+        let (mut loaded, mut local) = (state.loaded_tokens, state.local_hit_tokens);
+        // Admitted more than once (preempted, or a failed async load
+        // retried): each token is credited once, to the first source.
+        if let Some(mut credits) = self.take_credits(req_id) {
+            if !state.looked {
+                credits.add(state.local_hit_tokens, &by_child);
+            }
+            loaded = credits.by_child.iter().sum();
+            local = credits.local;
+            by_child = credits.by_child;
+        }
+        if seen.is_some() {
+            for (j, &t) in by_child.iter().enumerate().filter(|(_, &t)| t > 0) {
+                self.counters.child(j, Child::ServedTokens, t);
+            }
+            self.counters.total(Total::LocalCachedTokens, local);
+        }
+        if want.any() {
+            if want.extra {
+                self.counters.total(Total::ExtraCachedTokens, loaded);
+            }
+            let supplied = Supplied {
+                want,
+                extra: loaded,
+                by_child,
+                local,
+            };
+            sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
+        }
+        if n_async > 0 && state.load_pending {
+            // Aborted while it waited for remote KV: vLLM frees the request
+            // on its first completion, receive or send, and asserts on the
+            // second; the load and the save both use its blocks until done.
+            if self
+                .joined
+                .insert(req_id.to_owned(), RECV_DUE | SEND_DUE)
+                .is_none()
+            {
+                self.n_joined.fetch_add(1, Relaxed);
+            }
+        }
+        if n_async > 0 {
+            let need = if seen.is_some() { n_async } else { 1 };
+            self.counters
+                .total(Total::ExtraAsyncSaves, u64::from(need - 1));
+            self.lock_outbox()
+                .saves
+                .insert(req_id.to_owned(), (savers, need));
+        }
+        let (params, new_clashes) = match sources.len() {
+            0 => (None, Vec::new()),
+            1 => (
+                sources.pop().map(|(_, p)| FinishedParams::Source(p)),
+                Vec::new(),
+            ),
+            _ => {
+                let n = self.names.len();
+                let rule = |key: &str| {
+                    let own =
+                        (want.extra && key == EXTRA_KEY) || (want.by_child && key == BY_CHILD_KEY);
+                    if own {
+                        KeyRule::Own(n)
+                    } else if asked(key) {
+                        KeyRule::PerSource
+                    } else {
+                        KeyRule::Policy
+                    }
+                };
+                let (merged, warn) = self.merge(&hooks, sources, rule)?;
+                (Some(FinishedParams::Merged(merged)), warn)
+            }
+        };
+        Ok(Finished {
+            async_save: n_async > 0,
+            params,
+            new_clashes,
+            contained,
+        })
+    }
+
+    /// `register_finished_partial_tail`: true when any child keeps the
+    /// request's blocks for a partial tail. Failures are contained as in
+    /// [`SchedulerMux::finish`] (a contained child answers false).
+    #[allow(clippy::type_complexity)]
+    pub fn partial_tail<E>(
+        &self,
+        req_id: &str,
+        call: impl FnMut(usize) -> Result<bool, ChildFault<E>>,
+    ) -> Result<(bool, Vec<Contained<E>>), MuxError<E>> {
+        let mut any = false;
+        let contained =
+            self.call_on_exit(req_id, &|_| hook::PARTIAL_TAIL, call, |_, a| any |= a)?;
+        Ok((any, contained))
+    }
+
+    /// Call every child for a request on its way out (see [`SchedulerMux::finish`]);
+    /// each answer goes to `take(i, answer)` as it comes, a failed child's
+    /// to nobody. Neither the answers nor their results are collected: the
+    /// usual finish allocates nothing.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn call_on_exit<T, E>(
+        &self,
+        req_id: &str,
+        hooks: &impl Fn(usize) -> &'static str,
+        mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
+        mut take: impl FnMut(usize, T),
+    ) -> Result<Vec<Contained<E>>, MuxError<E>> {
+        let n = self.names.len();
+        // Read only when a child fails (the state is still in the table).
+        let mut took_part = None;
+        let mut contained = Vec::new();
+        let mut error = None;
+        for i in 0..n {
+            match call(i) {
+                Ok(a) => take(i, a),
+                Err(fault) => {
+                    let part = *took_part
+                        .get_or_insert_with(|| self.table.get(req_id).map_or(0, |s| s.took_part));
+                    if part & (1u64 << i) != 0 || matches!(fault, ChildFault::Interrupt(_)) {
+                        error.get_or_insert(MuxError::child(i, hooks(i), fault));
+                    } else {
+                        self.counters.child(i, Child::ContainedErrors, 1);
+                        let bit = 1u64 << i;
+                        let first = self.warned_contained.fetch_or(bit, Relaxed) & bit == 0;
+                        contained.push(Contained {
+                            child: i,
+                            hook: hooks(i),
+                            first,
+                            fault,
+                        });
+                    }
+                }
+            }
+        }
+        if let Some(e) = error {
+            self.forget(req_id);
+            return Err(e);
+        }
+        Ok(contained)
+    }
+
+    /// Merge several sources' params under the clash policy; the resolved
+    /// clashes whose key was never warned about are returned to warn about.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn merge<P: Params>(
+        &self,
+        hooks: &impl Fn(usize) -> &'static str,
+        sources: Vec<(usize, P)>,
+        rule: impl Fn(&str) -> KeyRule,
+    ) -> Result<(Vec<Merged<P::Value>>, Vec<Clash>), MuxError<P::Error>> {
+        let mut pairs = Vec::with_capacity(sources.len());
+        for (i, p) in &sources {
+            let kv = p.entries().map_err(|fault| match fault {
+                ChildFault::Raised(e) | ChildFault::Interrupt(e) => MuxError::Host(e),
+                malformed => MuxError::child(*i, hooks(*i), malformed),
+            })?;
+            pairs.push((*i, kv));
+        }
+        match merge::merge_by(self.clash, pairs, rule) {
+            Ok(out) => {
+                self.counters
+                    .total(Total::ClashesResolved, out.resolved.len() as u64);
+                let warn = out
+                    .resolved
+                    .into_iter()
+                    .filter(|c| self.warned_keys.insert(c.key.clone()))
+                    .collect();
+                Ok((out.entries, warn))
+            }
+            Err(MergeError::Compare(e)) => Err(MuxError::Host(e)),
+            Err(MergeError::Clash(c)) => {
+                self.counters.total(Total::ClashesRaised, 1);
+                Err(MuxError::ParamClash {
+                    key: c.key,
+                    first: c.first,
+                    second: c.second,
+                    policy: self.clash.as_str(),
+                })
+            }
+        }
+    }
+}
