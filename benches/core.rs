@@ -11,7 +11,7 @@ use kvmux_core::error::ChildFault;
 use kvmux_core::host_tier::BlockIndex;
 use kvmux_core::mux::merge::{merge, ClashPolicy, ValueEq};
 use kvmux_core::mux::requests::{ChildMatch, LoadPolicy, RequestTable};
-use kvmux_core::mux::{ChildFinish, Params, SchedulerMux, Want};
+use kvmux_core::mux::{ChildFinish, FinishHooks, Params, SchedulerMux, Supplied, Want};
 
 const CHILDREN: usize = 3;
 const REQUESTS: usize = 1024;
@@ -105,6 +105,29 @@ impl Params for NoParams {
     }
 }
 
+/// The bench's finish calls: every child answers no params, no async save.
+struct NoParamsCalls;
+
+impl FinishHooks for NoParamsCalls {
+    type Params = NoParams;
+    fn hook(&self, _: usize) -> &'static str {
+        "request_finished"
+    }
+    fn asked(&self, _: &str) -> bool {
+        false
+    }
+    fn own(&mut self, _: &Supplied) -> Result<NoParams, Never> {
+        Ok(NoParams)
+    }
+    fn call(&mut self, i: usize) -> Result<ChildFinish<NoParams>, ChildFault<Never>> {
+        black_box(i);
+        Ok(ChildFinish {
+            async_save: false,
+            params: None,
+        })
+    }
+}
+
 /// The Rust side of bench P1: `SchedulerMux`'s lookup (`first`, every child a
 /// miss), allocation (0 tokens) and finish (no params, no async save) of
 /// each request over 3 children whose answers are constants, so the time
@@ -147,20 +170,7 @@ fn mux_lifecycle(c: &mut Criterion) {
                     .expect("no child fails");
                 black_box(chosen);
                 let done = mux
-                    .finish(
-                        id,
-                        |_| "request_finished",
-                        Want::default(),
-                        |_| false,
-                        |_| Ok(NoParams),
-                        |i| {
-                            black_box(i);
-                            Ok(ChildFinish::<NoParams> {
-                                async_save: false,
-                                params: None,
-                            })
-                        },
-                    )
+                    .finish(id, Want::default(), &mut NoParamsCalls)
                     .expect("no child fails");
                 black_box(done.async_save);
             }

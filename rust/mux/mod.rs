@@ -36,7 +36,9 @@ mod scheduler;
 mod sources;
 pub mod stats;
 mod worker;
-pub use scheduler::{Credits, Held, SchedulerMux};
+pub use scheduler::{
+    ChildAnswer, Credits, FinishHooks, FinishResult, Held, ParamsError, PartialTail, SchedulerMux,
+};
 pub use sources::{combine as combine_sources, Span};
 pub use worker::WorkerMux;
 

@@ -29,8 +29,8 @@ use crate::mux::notice::{fault_detail, Notice};
 use crate::mux::plan::{worker_meta_entries, Fanout};
 use crate::mux::requests::{ChildMatch, LoadPolicy};
 use crate::mux::{
-    hook, ChildFinish, FinishedParams, SchedulerMux, Supplied, Want, BY_CHILD_KEY, EXTRA_KEY,
-    LOCAL_KEY,
+    hook, ChildAnswer, ChildFinish, FinishHooks, FinishedParams, SchedulerMux, Supplied, Want,
+    BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY,
 };
 
 type Plan<T> = Fanout<Py<PyAny>, T>;
@@ -62,6 +62,78 @@ fn finish_const(a: &Bound<'_, PyAny>) -> Result<bool, ChildFault<PyErr>> {
         return Err(ChildFault::Malformed("returned constant params".into()));
     }
     Ok(f.async_save)
+}
+
+/// A finish hook's calls into Python ([`FinishHooks`]): child `i` gets
+/// `route.hook(i)` with `all` (every group's blocks) or `one` (the one
+/// group's). Conversions only; the rules are the core's.
+struct FinishCalls<'a, 'py> {
+    mux: &'a PySchedulerMux,
+    py: Python<'py>,
+    request: &'a Bound<'py, PyAny>,
+    route: Route<'a>,
+    all: &'a Bound<'py, PyAny>,
+    one: &'a Bound<'py, PyAny>,
+    /// The request's own `kv_transfer_params` (None when empty).
+    asked_params: Option<Bound<'py, PyDict>>,
+}
+
+impl<'py> FinishHooks for FinishCalls<'_, 'py> {
+    type Params = PyParams<'py>;
+
+    fn hook(&self, i: usize) -> &'static str {
+        self.route.hook(i)
+    }
+
+    fn asked(&self, key: &str) -> bool {
+        self.asked_params
+            .as_ref()
+            .is_some_and(|d| d.contains(key).unwrap_or(false))
+    }
+
+    fn own(&mut self, s: &Supplied) -> PyResult<PyParams<'py>> {
+        let py = self.py;
+        let d = PyDict::new(py);
+        if s.want.extra {
+            d.set_item(EXTRA_KEY, s.extra)?;
+        }
+        if s.want.by_child {
+            let split = PyDict::new(py);
+            for (i, n) in s.by_child.iter().enumerate() {
+                split.set_item(self.mux.core.name(i), n)?;
+            }
+            split.set_item(LOCAL_KEY, s.local)?;
+            d.set_item(BY_CHILD_KEY, split)?;
+        }
+        Ok(PyParams(d))
+    }
+
+    fn call(&mut self, i: usize) -> ChildAnswer<ChildFinish<PyParams<'py>>, PyErr> {
+        let plan = if self.route.all_groups_hook(i) {
+            &self.mux.finished_all_groups
+        } else {
+            &self.mux.finished
+        };
+        let blocks = if self.route.as_passed(i) {
+            self.all
+        } else {
+            self.one
+        };
+        match plan.call(i) {
+            Some(f) => to_finish(
+                f.bind(self.py)
+                    .call1((self.request, blocks))
+                    .map_err(|e| raised(self.py, e))?,
+            ),
+            None => plan
+                .answer(i)
+                .map(|async_save| ChildFinish {
+                    async_save,
+                    params: None,
+                })
+                .map_err(ChildFault::Malformed),
+        }
+    }
 }
 
 /// One child's settings as the host hands them over: `(name, supports
@@ -186,52 +258,18 @@ impl PySchedulerMux {
             },
             None => Want::default(),
         };
-        // Read only when two sources return one key.
-        let asked = |key: &str| {
-            asked_params
-                .as_ref()
-                .is_some_and(|d| d.contains(key).unwrap_or(false))
-        };
-        let own = |s: &Supplied| {
-            let d = PyDict::new(py);
-            if s.want.extra {
-                d.set_item(EXTRA_KEY, s.extra)?;
-            }
-            if s.want.by_child {
-                let split = PyDict::new(py);
-                for (i, n) in s.by_child.iter().enumerate() {
-                    split.set_item(self.core.name(i), n)?;
-                }
-                split.set_item(LOCAL_KEY, s.local)?;
-                d.set_item(BY_CHILD_KEY, split)?;
-            }
-            Ok(PyParams(d))
-        };
-        let call = |i: usize| {
-            let plan = if route.all_groups_hook(i) {
-                &self.finished_all_groups
-            } else {
-                &self.finished
-            };
-            let blocks = if route.as_passed(i) { all } else { one };
-            match plan.call(i) {
-                Some(f) => to_finish(
-                    f.bind(py)
-                        .call1((request, blocks))
-                        .map_err(|e| raised(py, e))?,
-                ),
-                None => plan
-                    .answer(i)
-                    .map(|async_save| ChildFinish {
-                        async_save,
-                        params: None,
-                    })
-                    .map_err(ChildFault::Malformed),
-            }
+        let mut calls = FinishCalls {
+            mux: self,
+            py,
+            request,
+            route,
+            all,
+            one,
+            asked_params,
         };
         let done = self
             .core
-            .finish(req_id, |i| route.hook(i), want, asked, own, call)
+            .finish(req_id, want, &mut calls)
             .map_err(|e| self.error(py, e))?;
         self.log(
             py,

@@ -12,6 +12,79 @@ use crate::mux::merge::{self, Clash, KeyRule, MergeError, Merged};
 use crate::mux::notice::{self, Notice};
 use crate::mux::requests::LoadPolicy;
 
+/// A finish hook's calls (`request_finished`, `request_finished_all_groups`):
+/// what [`SchedulerMux::finish`] needs from its caller. The bindings
+/// implement it over Python (they only convert and call); the tests over
+/// plain Rust children.
+pub trait FinishHooks {
+    type Params: Params;
+    /// The hook child `i` gets (`request_finished` or
+    /// `request_finished_all_groups`), to name it in errors.
+    fn hook(&self, i: usize) -> &'static str;
+    /// Whether the request itself asked for `key` (its `kv_transfer_params`
+    /// hold it; the client chose which keys the children answer). Read only
+    /// when two sources return one key.
+    fn asked(&self, key: &str) -> bool;
+    /// The multiplexer's own params, made from [`Supplied`] (called at most
+    /// once, when the request wants some).
+    fn own(&mut self, supplied: &Supplied) -> Result<Self::Params, ParamsError<Self::Params>>;
+    /// Child `i`'s answer to its hook.
+    fn call(
+        &mut self,
+        i: usize,
+    ) -> ChildAnswer<ChildFinish<Self::Params>, ParamsError<Self::Params>>;
+}
+
+/// The error type of a [`Params`].
+pub type ParamsError<P> = <P as Params>::Error;
+/// A child's answer to a hook, or its fault.
+pub type ChildAnswer<T, E> = Result<T, ChildFault<E>>;
+/// What [`SchedulerMux::finish`] returns.
+pub type FinishResult<P> =
+    Result<Finished<P, <P as Params>::Value, ParamsError<P>>, MuxError<ParamsError<P>>>;
+/// [`SchedulerMux::partial_tail`]'s answer: whether any child keeps the
+/// blocks, and the failures it contained.
+pub type PartialTail<E> = (bool, Vec<Contained<E>>);
+
+/// A request's way out, child by child, for [`SchedulerMux::call_on_exit`].
+pub(super) trait ExitCalls<E> {
+    type Answer;
+    /// The hook child `i` gets.
+    fn hook(&self, i: usize) -> &'static str;
+    fn call(&mut self, i: usize) -> ChildAnswer<Self::Answer, E>;
+}
+
+/// Several sources' params merged, and the resolved clashes to warn about.
+type MergedParams<P> = (Vec<Merged<<P as Params>::Value>>, Vec<Clash>);
+
+/// A finish hook's calls on the way out.
+struct Finish<'a, H>(&'a mut H);
+
+impl<H: FinishHooks> ExitCalls<ParamsError<H::Params>> for Finish<'_, H> {
+    type Answer = ChildFinish<H::Params>;
+    #[inline]
+    fn hook(&self, i: usize) -> &'static str {
+        self.0.hook(i)
+    }
+    #[inline]
+    fn call(&mut self, i: usize) -> ChildAnswer<Self::Answer, ParamsError<H::Params>> {
+        self.0.call(i)
+    }
+}
+
+/// `register_finished_partial_tail`'s calls on the way out.
+struct Tail<F>(F);
+
+impl<E, F: FnMut(usize) -> ChildAnswer<bool, E>> ExitCalls<E> for Tail<F> {
+    type Answer = bool;
+    fn hook(&self, _: usize) -> &'static str {
+        hook::PARTIAL_TAIL
+    }
+    fn call(&mut self, i: usize) -> ChildAnswer<bool, E> {
+        (self.0)(i)
+    }
+}
+
 impl SchedulerMux {
     /// vLLM's `request_finished_all_groups` of a request holding KV in
     /// `groups` cache groups: which hook each child gets, with which blocks
@@ -79,7 +152,8 @@ impl SchedulerMux {
     }
 
     /// A finish hook (`request_finished` or `request_finished_all_groups`;
-    /// `hooks(i)` names the one child `i` gets, `call(i)` is its answer).
+    /// `hooks.hook(i)` names the one child `i` gets, `hooks.call(i)` is its
+    /// answer: [`FinishHooks`]).
     ///
     /// Rules:
     /// - every child is called, even after one fails;
@@ -93,7 +167,7 @@ impl SchedulerMux {
     ///   such children make the workers wait for k - 1 extra completions,
     ///   but only for a request the multiplexer tracked (an untracked one has
     ///   no blocks anyone saves, and a wait nobody ends would leak);
-    /// - `want`: the multiplexer's own params (made by `own` from
+    /// - `want`: the multiplexer's own params (made by `hooks.own` from
     ///   [`Supplied`]: [`EXTRA_KEY`], the tokens the children supplied;
     ///   [`BY_CHILD_KEY`], those of each child and of the local prefix cache)
     ///   join the children's;
@@ -102,29 +176,25 @@ impl SchedulerMux {
     /// - a single source of params is handed back uncopied; several are
     ///   merged under the clash policy, warning once per resolved key;
     /// - a clash is never an error on a key the request itself asked for
-    ///   (`asked(key)`: the client chose which keys the children answer):
+    ///   (`hooks.asked(key)`: the client chose which keys the children answer):
     ///   every source's value is kept, by source ([`KeyRule::PerSource`]);
     ///   nor on the multiplexer's own keys, where its value wins (a nested
     ///   kvmux answers them too). Both are counted as resolved clashes.
     ///
     /// The request's state is gone afterwards, whether this succeeds or not.
-    #[allow(clippy::type_complexity)]
-    pub fn finish<P: Params>(
+    pub fn finish<H: FinishHooks>(
         &self,
         req_id: &str,
-        hooks: impl Fn(usize) -> &'static str,
         want: Want,
-        asked: impl Fn(&str) -> bool,
-        own: impl FnOnce(&Supplied) -> Result<P, P::Error>,
-        call: impl FnMut(usize) -> Result<ChildFinish<P>, ChildFault<P::Error>>,
-    ) -> Result<Finished<P, P::Value, P::Error>, MuxError<P::Error>> {
+        hooks: &mut H,
+    ) -> FinishResult<H::Params> {
         self.unwatch(req_id);
         // The answers are taken as they come (no vector of them): the
         // children saving asynchronously, and the params (a contained
         // child counts as neither).
         let mut savers = 0u64;
-        let mut sources: Vec<(usize, P)> = Vec::new();
-        let contained = self.call_on_exit(req_id, &hooks, call, |i, ans| {
+        let mut sources: Vec<(usize, H::Params)> = Vec::new();
+        let contained = self.call_on_exit(req_id, &mut Finish(&mut *hooks), |i, ans| {
             if ans.async_save {
                 savers |= 1u64 << i;
             }
@@ -175,7 +245,10 @@ impl SchedulerMux {
                 by_child,
                 local,
             };
-            sources.push((self.names.len(), own(&supplied).map_err(MuxError::Host)?));
+            sources.push((
+                self.names.len(),
+                hooks.own(&supplied).map_err(MuxError::Host)?,
+            ));
         }
         if n_async > 0 && state.load_pending {
             // Aborted while it waited for remote KV: vLLM frees the request
@@ -210,13 +283,13 @@ impl SchedulerMux {
                         (want.extra && key == EXTRA_KEY) || (want.by_child && key == BY_CHILD_KEY);
                     if own {
                         KeyRule::Own(n)
-                    } else if asked(key) {
+                    } else if hooks.asked(key) {
                         KeyRule::PerSource
                     } else {
                         KeyRule::Policy
                     }
                 };
-                let (merged, warn) = self.merge(&hooks, sources, rule)?;
+                let (merged, warn) = self.merge(&*hooks, sources, rule)?;
                 (Some(FinishedParams::Merged(merged)), warn)
             }
         };
@@ -231,15 +304,13 @@ impl SchedulerMux {
     /// `register_finished_partial_tail`: true when any child keeps the
     /// request's blocks for a partial tail. Failures are contained as in
     /// [`SchedulerMux::finish`] (a contained child answers false).
-    #[allow(clippy::type_complexity)]
     pub fn partial_tail<E>(
         &self,
         req_id: &str,
-        call: impl FnMut(usize) -> Result<bool, ChildFault<E>>,
-    ) -> Result<(bool, Vec<Contained<E>>), MuxError<E>> {
+        call: impl FnMut(usize) -> ChildAnswer<bool, E>,
+    ) -> Result<PartialTail<E>, MuxError<E>> {
         let mut any = false;
-        let contained =
-            self.call_on_exit(req_id, &|_| hook::PARTIAL_TAIL, call, |_, a| any |= a)?;
+        let contained = self.call_on_exit(req_id, &mut Tail(call), |_, a| any |= a)?;
         Ok((any, contained))
     }
 
@@ -247,13 +318,11 @@ impl SchedulerMux {
     /// each answer goes to `take(i, answer)` as it comes, a failed child's
     /// to nobody. Neither the answers nor their results are collected: the
     /// usual finish allocates nothing.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn call_on_exit<T, E>(
+    pub(super) fn call_on_exit<E, C: ExitCalls<E>>(
         &self,
         req_id: &str,
-        hooks: &impl Fn(usize) -> &'static str,
-        mut call: impl FnMut(usize) -> Result<T, ChildFault<E>>,
-        mut take: impl FnMut(usize, T),
+        calls: &mut C,
+        mut take: impl FnMut(usize, C::Answer),
     ) -> Result<Vec<Contained<E>>, MuxError<E>> {
         let n = self.names.len();
         // Read only when a child fails (the state is still in the table).
@@ -261,20 +330,20 @@ impl SchedulerMux {
         let mut contained = Vec::new();
         let mut error = None;
         for i in 0..n {
-            match call(i) {
+            match calls.call(i) {
                 Ok(a) => take(i, a),
                 Err(fault) => {
                     let part = *took_part
                         .get_or_insert_with(|| self.table.get(req_id).map_or(0, |s| s.took_part));
                     if part & (1u64 << i) != 0 || matches!(fault, ChildFault::Interrupt(_)) {
-                        error.get_or_insert(MuxError::child(i, hooks(i), fault));
+                        error.get_or_insert(MuxError::child(i, calls.hook(i), fault));
                     } else {
                         self.counters.child(i, Child::ContainedErrors, 1);
                         let bit = 1u64 << i;
                         let first = self.warned_contained.fetch_or(bit, Relaxed) & bit == 0;
                         contained.push(Contained {
                             child: i,
-                            hook: hooks(i),
+                            hook: calls.hook(i),
                             first,
                             fault,
                         });
@@ -291,18 +360,17 @@ impl SchedulerMux {
 
     /// Merge several sources' params under the clash policy; the resolved
     /// clashes whose key was never warned about are returned to warn about.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn merge<P: Params>(
+    pub(super) fn merge<H: FinishHooks>(
         &self,
-        hooks: &impl Fn(usize) -> &'static str,
-        sources: Vec<(usize, P)>,
+        hooks: &H,
+        sources: Vec<(usize, H::Params)>,
         rule: impl Fn(&str) -> KeyRule,
-    ) -> Result<(Vec<Merged<P::Value>>, Vec<Clash>), MuxError<P::Error>> {
+    ) -> Result<MergedParams<H::Params>, MuxError<ParamsError<H::Params>>> {
         let mut pairs = Vec::with_capacity(sources.len());
         for (i, p) in &sources {
             let kv = p.entries().map_err(|fault| match fault {
                 ChildFault::Raised(e) | ChildFault::Interrupt(e) => MuxError::Host(e),
-                malformed => MuxError::child(*i, hooks(*i), malformed),
+                malformed => MuxError::child(*i, hooks.hook(*i), malformed),
             })?;
             pairs.push((*i, kv));
         }

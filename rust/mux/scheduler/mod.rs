@@ -21,6 +21,7 @@ mod lookup;
 
 use crate::mux::stats::{Child, Counters, Snapshot, Total};
 pub use admission::Credits;
+pub use finish::{ChildAnswer, FinishHooks, FinishResult, ParamsError, PartialTail};
 pub use held::Held;
 
 /// [`SchedulerMux::reported`]: the finished-receiving completion is still due.

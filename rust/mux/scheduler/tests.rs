@@ -42,6 +42,69 @@ impl Params for P {
 
 type R<T> = Result<T, ChildFault<String>>;
 
+/// A finish hook's calls as the tests' closures ([`FinishHooks`]).
+struct Fns<K, A, O, C> {
+    hook: K,
+    asked: A,
+    own: Option<O>,
+    call: C,
+}
+
+impl<K, A, O, C> FinishHooks for Fns<K, A, O, C>
+where
+    K: Fn(usize) -> &'static str,
+    A: Fn(&str) -> bool,
+    O: FnOnce(&Supplied) -> Result<P, String>,
+    C: FnMut(usize) -> R<ChildFinish<P>>,
+{
+    type Params = P;
+    fn hook(&self, i: usize) -> &'static str {
+        (self.hook)(i)
+    }
+    fn asked(&self, key: &str) -> bool {
+        (self.asked)(key)
+    }
+    fn own(&mut self, s: &Supplied) -> Result<P, String> {
+        (self.own.take().expect("own is called at most once"))(s)
+    }
+    fn call(&mut self, i: usize) -> R<ChildFinish<P>> {
+        (self.call)(i)
+    }
+}
+
+/// [`SchedulerMux::finish`] with each of its calls a closure.
+trait FinishFns {
+    fn finish_fns(
+        &self,
+        req: &str,
+        hook: impl Fn(usize) -> &'static str,
+        want: Want,
+        asked: impl Fn(&str) -> bool,
+        own: impl FnOnce(&Supplied) -> Result<P, String>,
+        call: impl FnMut(usize) -> R<ChildFinish<P>>,
+    ) -> FinishResult<P>;
+}
+
+impl FinishFns for SchedulerMux {
+    fn finish_fns(
+        &self,
+        req: &str,
+        hook: impl Fn(usize) -> &'static str,
+        want: Want,
+        asked: impl Fn(&str) -> bool,
+        own: impl FnOnce(&Supplied) -> Result<P, String>,
+        call: impl FnMut(usize) -> R<ChildFinish<P>>,
+    ) -> FinishResult<P> {
+        let mut calls = Fns {
+            hook,
+            asked,
+            own: Some(own),
+            call,
+        };
+        self.finish(req, want, &mut calls)
+    }
+}
+
 fn mux(n: usize, clash: ClashPolicy, load: LoadPolicy) -> SchedulerMux {
     let names = (0..n).map(|i| format!("c{i}")).collect();
     SchedulerMux::new::<String>(names, clash, load, 16).unwrap()
@@ -61,7 +124,7 @@ fn own(s: &Supplied) -> Result<P, String> {
 /// Finish `req` asking for both own params; what the mux credited.
 fn supplied(m: &SchedulerMux, req: &str) -> Supplied {
     let mut got = None;
-    m.finish(
+    m.finish_fns(
         req,
         |_| hook::FINISHED,
         Want {
@@ -97,7 +160,7 @@ fn finish_with(
     answers: Vec<R<ChildFinish<P>>>,
 ) -> Result<Finished<P, V, String>, MuxError<String>> {
     let mut answers = answers.into_iter();
-    m.finish(
+    m.finish_fns(
         req,
         |_| hook::FINISHED,
         want(want_extra),
@@ -168,7 +231,7 @@ fn a_child_past_its_deadline_is_a_miss_and_never_asked_again() {
     assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
     // It still took part: its finish is called like any other's.
     let mut finished = vec![];
-    m.finish(
+    m.finish_fns(
         "r",
         |_| hook::FINISHED,
         want(false),
@@ -329,7 +392,7 @@ fn consecutive_failures_open_the_breaker_and_skip_the_child() {
     .unwrap();
     assert_eq!(told, [(0, 0), (1, 16)]);
     let mut finished = vec![];
-    m.finish(
+    m.finish_fns(
         "c",
         |_| hook::FINISHED,
         want(false),
@@ -969,7 +1032,7 @@ fn failure_of_a_child_that_took_part_raises_after_calling_everyone() {
     m.lookup("r", 0, |_, _| hit(0)).unwrap();
     let mut called = vec![];
     let err = m
-        .finish(
+        .finish_fns(
             "r",
             |_| hook::FINISHED_ALL_GROUPS,
             want(false),
@@ -1390,7 +1453,7 @@ proptest! {
         if looked_up {
             m.lookup("r", 0, |_, _| hit(0)).unwrap();
         }
-        let res = m.finish("r", |_| hook::FINISHED, want(false), |_| false, own, |i| {
+        let res = m.finish_fns("r", |_| hook::FINISHED, want(false), |_| false, own, |i| {
             if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }
             else { done(savers[i], None) }
         });
