@@ -181,10 +181,29 @@ pub struct Asked {
     pub asked: u64,
 }
 
-/// The per-request table.
-#[derive(Debug, Default)]
-pub struct RequestTable {
-    map: DashMap<String, RequestState, Xxh3DefaultBuilder>,
+/// What the table holds per request: its [`RequestState`], alone or inside
+/// an aggregate of everything else kept for the request (the scheduler's
+/// `Request`), so that one entry of one map is the whole request.
+pub trait Entry: Default {
+    fn state(&self) -> &RequestState;
+    fn state_mut(&mut self) -> &mut RequestState;
+}
+
+impl Entry for RequestState {
+    #[inline]
+    fn state(&self) -> &RequestState {
+        self
+    }
+    #[inline]
+    fn state_mut(&mut self) -> &mut RequestState {
+        self
+    }
+}
+
+/// The per-request table: one entry `R` per live request.
+#[derive(Debug)]
+pub struct RequestTable<R = RequestState> {
+    map: DashMap<String, R, Xxh3DefaultBuilder>,
     /// Entries in `map`, kept beside it: `DashMap::len` locks every shard.
     live: AtomicUsize,
     /// Entries with some child excluded.
@@ -193,22 +212,57 @@ pub struct RequestTable {
     loading: AtomicUsize,
 }
 
+impl<R: Entry> Default for RequestTable<R> {
+    fn default() -> Self {
+        Self {
+            map: DashMap::default(),
+            live: AtomicUsize::new(0),
+            excluding: AtomicUsize::new(0),
+            loading: AtomicUsize::new(0),
+        }
+    }
+}
+
 impl RequestTable {
     pub fn new() -> Self {
         Self::default()
     }
+}
 
-    /// Run `f` on a request's entry, made if missing, under its shard's
+impl<R: Entry> RequestTable<R> {
+    /// Run `f` on a request's state, made if missing, under its shard's
     /// lock. A live request (the common case) costs no key allocation.
-    fn update<R>(&self, req_id: &str, f: impl FnOnce(&mut RequestState) -> R) -> R {
+    fn update<T>(&self, req_id: &str, f: impl FnOnce(&mut RequestState) -> T) -> T {
         if let Some(mut st) = self.map.get_mut(req_id) {
-            return f(&mut st);
+            return f(st.state_mut());
         }
         let mut st = self.map.entry(req_id.to_owned()).or_insert_with(|| {
             self.live.fetch_add(1, Relaxed);
-            RequestState::default()
+            R::default()
         });
-        f(&mut st)
+        f(st.state_mut())
+    }
+
+    /// `f` of a live request's whole entry (None: not live).
+    #[inline]
+    pub fn with<T>(&self, req_id: &str, f: impl FnOnce(&R) -> T) -> Option<T> {
+        self.map.get(req_id).map(|e| f(&e))
+    }
+
+    /// `f` of a live request's whole entry, to change it (None: not live).
+    /// Its state's flags counted beside the map (excluded, load pending)
+    /// are the table's to change, through its own methods.
+    #[inline]
+    pub fn with_mut<T>(&self, req_id: &str, f: impl FnOnce(&mut R) -> T) -> Option<T> {
+        self.map.get_mut(req_id).map(|mut e| f(&mut e))
+    }
+
+    /// `f` of every live request's id and entry (shard by shard, each read
+    /// locked meanwhile).
+    pub fn for_each(&self, mut f: impl FnMut(&str, &R)) {
+        for e in self.map.iter() {
+            f(e.key(), e.value());
+        }
     }
 
     /// A whole `get_num_new_matched_tokens` event: decide and record.
@@ -320,13 +374,14 @@ impl RequestTable {
 
     /// The chosen child for a request, if any.
     pub fn chosen(&self, req_id: &str) -> Option<usize> {
-        self.map.get(req_id).and_then(|s| s.chosen)
+        self.map.get(req_id).and_then(|s| s.state().chosen)
     }
 
     /// Some external tokens of a request failed to load: vLLM recomputes
     /// them, so they no longer count as supplied.
     pub fn load_failed(&self, req_id: &str, failed_tokens: u64) {
-        if let Some(mut st) = self.map.get_mut(req_id) {
+        if let Some(mut e) = self.map.get_mut(req_id) {
+            let st = e.state_mut();
             st.loaded_tokens = st.loaded_tokens.saturating_sub(failed_tokens);
         }
     }
@@ -334,7 +389,8 @@ impl RequestTable {
     /// An asynchronous load of a live request was allocated: vLLM waits
     /// for its "finished receiving".
     pub fn load_started(&self, req_id: &str) {
-        if let Some(mut st) = self.map.get_mut(req_id) {
+        if let Some(mut e) = self.map.get_mut(req_id) {
+            let st = e.state_mut();
             if !st.load_pending {
                 st.load_pending = true;
                 self.loading.fetch_add(1, Relaxed);
@@ -345,9 +401,10 @@ impl RequestTable {
     /// vLLM is told `req_id` finished receiving. True if it is a live
     /// request (its load is no longer pending).
     pub fn load_reported(&self, req_id: &str) -> bool {
-        let Some(mut st) = self.map.get_mut(req_id) else {
+        let Some(mut e) = self.map.get_mut(req_id) else {
             return false;
         };
+        let st = e.state_mut();
         if st.load_pending {
             st.load_pending = false;
             self.loading.fetch_sub(1, Relaxed);
@@ -360,10 +417,11 @@ impl RequestTable {
         self.loading.load(Relaxed) != 0
     }
 
-    /// A `request_finished` event: the state leaves the table (None if the
+    /// A `request_finished` event: the entry leaves the table (None if the
     /// request was never seen or already finished).
-    pub fn finish(&self, req_id: &str) -> Option<RequestState> {
-        let (_, st) = self.map.remove(req_id)?;
+    pub fn finish(&self, req_id: &str) -> Option<R> {
+        let (_, entry) = self.map.remove(req_id)?;
+        let st = entry.state();
         self.live.fetch_sub(1, Relaxed);
         if st.excluded != 0 {
             self.excluding.fetch_sub(1, Relaxed);
@@ -371,11 +429,11 @@ impl RequestTable {
         if st.load_pending {
             self.loading.fetch_sub(1, Relaxed);
         }
-        Some(st)
+        Some(entry)
     }
 
     pub fn get(&self, req_id: &str) -> Option<RequestState> {
-        self.map.get(req_id).map(|s| *s)
+        self.map.get(req_id).map(|s| *s.state())
     }
 
     pub fn len(&self) -> usize {

@@ -32,15 +32,15 @@ impl SchedulerMux {
         let mut out = Vec::new();
         let mut left = num_external;
         if self.load == LoadPolicy::Compose {
-            if let Some(spans) = self.spans.get(req_id) {
-                for (child, &(t, _)) in spans.iter().enumerate() {
+            self.table.with(req_id, |r| {
+                for (child, &(t, _)) in r.spans.iter().flat_map(|s| s.iter()).enumerate() {
                     let tokens = t.min(left);
                     if tokens > 0 {
                         out.push(Span { child, tokens });
                         left -= tokens;
                     }
                 }
-            }
+            });
         }
         if left > 0 {
             // Not under `compose` (or vLLM allocated beyond the spans): the

@@ -2,7 +2,6 @@
 //! its share of the load; and each admission's crediting ([`Credits`]).
 
 use super::*;
-use std::sync::atomic::Ordering::Relaxed;
 
 use crate::error::{ChildFault, MuxError};
 use crate::mux::requests::{LoadPolicy, RequestState};
@@ -63,24 +62,14 @@ impl SchedulerMux {
     /// A lookup begins a new admission of a request (`before`: its state
     /// at the end of the last one): that admission's split is credited.
     pub(super) fn admission_over(&self, req_id: &str, before: &RequestState) {
-        let spans = (self.load == LoadPolicy::Compose)
-            .then(|| self.spans.get(req_id).map(|s| s.clone()))
-            .flatten();
-        let split = self.split(spans.as_deref(), before);
-        let mut credits = self.credits.entry(req_id.to_owned()).or_insert_with(|| {
-            self.n_credits.fetch_add(1, Relaxed);
-            Credits::default()
+        let compose = self.load == LoadPolicy::Compose;
+        self.table.with_mut(req_id, |r| {
+            let spans = r.spans.as_deref().filter(|_| compose);
+            let split = self.split(spans, before);
+            r.credits
+                .get_or_insert_with(Box::default)
+                .add(before.local_hit_tokens, &split);
         });
-        credits.add(before.local_hit_tokens, &split);
-    }
-
-    pub(super) fn take_credits(&self, req_id: &str) -> Option<Credits> {
-        if self.n_credits.load(Relaxed) == 0 {
-            return None;
-        }
-        let (_, c) = self.credits.remove(req_id)?;
-        self.n_credits.fetch_sub(1, Relaxed);
-        Some(c)
     }
 
     /// `update_state_after_alloc`: the chosen child is told
@@ -106,25 +95,28 @@ impl SchedulerMux {
         let mut given = zeros(n);
         let mut async_loaders = 0u64;
         if let Some((i, load_async)) = planned {
-            let spans = (self.load == LoadPolicy::Compose)
-                .then(|| self.spans.get(req_id))
-                .flatten();
-            match spans {
-                Some(spans) => {
-                    let mut left = num_external_tokens;
-                    for (j, &(t, a)) in spans.iter().enumerate() {
-                        given[j] = t.min(left);
-                        left -= given[j];
-                        if given[j] > 0 && a {
-                            async_loaders |= 1u64 << j;
+            let composed = self.load == LoadPolicy::Compose
+                && self
+                    .table
+                    .with(req_id, |r| {
+                        let Some(spans) = r.spans.as_deref() else {
+                            return false;
+                        };
+                        let mut left = num_external_tokens;
+                        for (j, &(t, a)) in spans.iter().enumerate() {
+                            given[j] = t.min(left);
+                            left -= given[j];
+                            if given[j] > 0 && a {
+                                async_loaders |= 1u64 << j;
+                            }
                         }
-                    }
-                }
-                None => {
-                    given[i] = num_external_tokens;
-                    if load_async {
-                        async_loaders = 1u64 << i;
-                    }
+                        true
+                    })
+                    .unwrap_or(false);
+            if !composed {
+                given[i] = num_external_tokens;
+                if load_async {
+                    async_loaders = 1u64 << i;
                 }
             }
             if async_loaders != 0 {

@@ -10,7 +10,6 @@ use crate::error::{ChildFault, MuxError};
 use crate::mux::hma::{Route, TooManyGroups};
 use crate::mux::merge::{self, Clash, KeyRule, MergeError, Merged};
 use crate::mux::notice::{self, Notice};
-use crate::mux::requests::LoadPolicy;
 
 /// A finish hook's calls (`request_finished`, `request_finished_all_groups`):
 /// what [`SchedulerMux::finish`] needs from its caller. The bindings
@@ -137,14 +136,6 @@ impl SchedulerMux {
         out
     }
 
-    pub(super) fn drop_spans(&self, req_id: &str) -> Option<Vec<(u64, bool)>> {
-        if self.load == LoadPolicy::Compose {
-            self.spans.remove(req_id).map(|(_, v)| v)
-        } else {
-            None
-        }
-    }
-
     pub(super) fn release_probe(&self, req_id: &str) {
         if self.breakers.any_tripped() {
             self.breakers.release(req_id);
@@ -203,8 +194,11 @@ impl SchedulerMux {
             }
         })?;
         self.release_probe(req_id);
-        let seen = self.table.finish(req_id);
-        let state = seen.unwrap_or_default();
+        // The request's whole state leaves with its one entry.
+        let (seen, state, spans, credits) = match self.remove(req_id) {
+            Some(r) => (true, r.state, r.spans, r.credits),
+            None => (false, RequestState::default(), None, None),
+        };
         self.counters.total(Total::Finished, 1);
         let n_async = savers.count_ones();
         let mut bits = savers;
@@ -216,20 +210,19 @@ impl SchedulerMux {
         // Who supplied the loaded tokens: the chosen child, or under
         // `compose` each its span, in order (a failed load cut them from
         // the first bad block on).
-        let spans = self.drop_spans(req_id);
         let mut by_child = self.split(spans.as_deref(), &state);
         let (mut loaded, mut local) = (state.loaded_tokens, state.local_hit_tokens);
         // Admitted more than once (preempted, or a failed async load
         // retried): each token is credited once, to the first source.
-        if let Some(mut credits) = self.take_credits(req_id) {
+        if let Some(mut credits) = credits {
             if !state.looked {
                 credits.add(state.local_hit_tokens, &by_child);
             }
             loaded = credits.by_child.iter().sum();
             local = credits.local;
-            by_child = credits.by_child;
+            by_child = std::mem::take(&mut credits.by_child);
         }
-        if seen.is_some() {
+        if seen {
             for (j, &t) in by_child.iter().enumerate().filter(|(_, &t)| t > 0) {
                 self.counters.child(j, Child::ServedTokens, t);
             }
@@ -263,7 +256,7 @@ impl SchedulerMux {
             }
         }
         if n_async > 0 {
-            let need = if seen.is_some() { n_async } else { 1 };
+            let need = if seen { n_async } else { 1 };
             self.counters
                 .total(Total::ExtraAsyncSaves, u64::from(need - 1));
             self.lock_outbox()

@@ -33,14 +33,20 @@ impl SchedulerMux {
     }
 
     pub(super) fn watch(&self, req_id: &str, blocks: Vec<u32>) {
-        if self.watched.insert(req_id.to_owned(), blocks).is_none() {
-            self.n_watched.fetch_add(1, Relaxed);
-        }
+        self.table.with_mut(req_id, |r| {
+            if r.watched.replace(blocks).is_none() {
+                self.n_watched.fetch_add(1, Relaxed);
+            }
+        });
     }
 
     pub(super) fn unwatch(&self, req_id: &str) {
-        if self.n_watched.load(Relaxed) > 0 && self.watched.remove(req_id).is_some() {
-            self.n_watched.fetch_sub(1, Relaxed);
+        if self.n_watched.load(Relaxed) > 0 {
+            self.table.with_mut(req_id, |r| {
+                if r.watched.take().is_some() {
+                    self.n_watched.fetch_sub(1, Relaxed);
+                }
+            });
         }
     }
 
@@ -65,25 +71,28 @@ impl SchedulerMux {
         }
         let bs = self.block_size;
         let mut hit = Vec::new();
-        for e in self.watched.iter() {
-            let Some(st) = self.table.get(e.key()).filter(|s| s.loaded_tokens > 0) else {
-                continue;
+        self.table.for_each(|id, r| {
+            let Some(blocks) = r.watched.as_deref() else {
+                return;
             };
+            let st = &r.state;
+            if st.loaded_tokens == 0 {
+                return;
+            }
             let (local, external) = (st.local_hit_tokens, st.loaded_tokens);
-            let lost = if failed_request(e.key()) {
+            let lost = if failed_request(id) {
                 external
             } else {
                 let end = local.saturating_add(external);
-                let blocks = e.value();
                 let last = blocks.len().min(end.div_ceil(bs) as usize);
                 ((local / bs) as usize..last)
                     .find(|&idx| invalid_block(blocks[idx]))
                     .map_or(0, |idx| end - local.max(idx as u64 * bs))
             };
             if lost > 0 {
-                hit.push((e.key().clone(), lost));
+                hit.push((id.to_owned(), lost));
             }
-        }
+        });
         for (req_id, lost) in &hit {
             self.table.load_failed(req_id, *lost);
             self.unwatch(req_id);

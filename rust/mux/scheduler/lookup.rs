@@ -235,7 +235,7 @@ impl SchedulerMux {
                 .iter()
                 .map(|m| (m.tokens.unwrap_or(0), m.load_async))
                 .collect();
-            self.spans.insert(req_id.to_owned(), spans);
+            self.table.with_mut(req_id, |r| r.spans = Some(spans));
         }
         self.count_lookup(&got, matches);
         Ok(Looked {

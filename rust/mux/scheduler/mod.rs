@@ -1,6 +1,6 @@
 //! The scheduler side of the multiplexer: [`SchedulerMux`].
 
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use super::*;
 use crate::error::MuxError;
 use crate::mux::breaker::{BreakerConfig, Breakers, State, Transition};
 use crate::mux::merge::ClashPolicy;
-use crate::mux::requests::{LoadPolicy, RequestTable};
+use crate::mux::requests::{Entry, LoadPolicy, RequestState, RequestTable};
 
 mod admission;
 mod finish;
@@ -38,14 +38,14 @@ pub struct SchedulerMux {
     clash: ClashPolicy,
     pub(super) load: LoadPolicy,
     block_size: u64,
-    pub(super) table: RequestTable,
+    /// Every live request: one entry, all its state ([`Request`]).
+    pub(super) table: RequestTable<Request>,
     counters: Counters,
     warned_keys: DashSet<String>,
     /// Bit i: child i's contained failure was logged loudly once.
     warned_contained: AtomicU64,
     outbox: Mutex<Outbox>,
-    /// Request id -> device blocks (group 0) of its planned load.
-    watched: DashMap<String, Vec<u32>>,
+    /// Live requests with a watched load ([`Request::watched`]).
     n_watched: AtomicUsize,
     /// Per child: how long a lookup may stay "not ready" (None: forever).
     deadlines: Vec<Option<Duration>>,
@@ -57,21 +57,43 @@ pub struct SchedulerMux {
     /// forever).
     load_deadlines: Vec<Option<Duration>>,
     any_load_deadline: bool,
-    /// `compose`: request id -> each child's span at the latest ready
-    /// lookup (tokens, loads asynchronously).
-    pub(super) spans: DashMap<String, Vec<(u64, bool)>>,
-    /// Requests finished while vLLM waited for their asynchronous load and
+    /// Requests finished (no longer live: not in `table`) while vLLM waited for their asynchronous load and
     /// saved asynchronously -> the completions still due ([`RECV_DUE`],
     /// [`SEND_DUE`]): vLLM frees such a request on the first of them, so
     /// only the last is passed on ([`SchedulerMux::reported`]).
     joined: DashMap<String, u8>,
     n_joined: AtomicUsize,
-    /// Requests admitted more than once -> the tokens credited by their
-    /// earlier admissions ([`Credits`]).
-    credits: DashMap<String, Credits>,
-    n_credits: AtomicUsize,
     /// Which children take every KV cache group.
     hma: Hma,
+}
+
+/// Everything the scheduler side keeps for one live request, in one entry
+/// of one map ([`SchedulerMux::table`]): forgetting a request is removing
+/// it. The parts most requests never have are boxed.
+#[derive(Debug, Default)]
+pub(crate) struct Request {
+    /// Its lookups, choice, allocation and load ([`RequestState`]).
+    pub(super) state: RequestState,
+    /// The device blocks (group 0) of its planned load, watched for load
+    /// errors ([`SchedulerMux::load_errors`]; counted in `n_watched`).
+    pub(super) watched: Option<Vec<u32>>,
+    /// `compose`: each child's span at the latest ready lookup (tokens,
+    /// loads asynchronously).
+    pub(super) spans: Option<Box<[(u64, bool)]>>,
+    /// Admitted more than once (preempted, or a failed async load
+    /// retried): the tokens its earlier admissions credited.
+    pub(super) credits: Option<Box<Credits>>,
+}
+
+impl Entry for Request {
+    #[inline]
+    fn state(&self) -> &RequestState {
+        &self.state
+    }
+    #[inline]
+    fn state_mut(&mut self) -> &mut RequestState {
+        &mut self.state
+    }
 }
 
 impl SchedulerMux {
@@ -94,22 +116,18 @@ impl SchedulerMux {
             clash,
             load,
             block_size,
-            table: RequestTable::new(),
+            table: RequestTable::default(),
             warned_keys: DashSet::new(),
             warned_contained: AtomicU64::new(0),
             outbox: Mutex::new(Outbox::default()),
-            watched: DashMap::new(),
             n_watched: AtomicUsize::new(0),
             deadlines: Vec::new(),
             any_deadline: false,
             warned_lookup: AtomicU64::new(0),
             load_deadlines: Vec::new(),
             any_load_deadline: false,
-            spans: DashMap::new(),
             joined: DashMap::new(),
             n_joined: AtomicUsize::new(0),
-            credits: DashMap::new(),
-            n_credits: AtomicUsize::new(0),
             hma: Hma::new(vec![true; n], String::new()),
         })
     }
@@ -202,11 +220,17 @@ impl SchedulerMux {
 
     /// Drop a request's state without counting it finished. True if there was.
     pub fn forget(&self, req_id: &str) -> bool {
-        self.unwatch(req_id);
         self.release_probe(req_id);
-        self.drop_spans(req_id);
-        self.take_credits(req_id);
-        self.table.finish(req_id).is_some()
+        self.remove(req_id).is_some()
+    }
+
+    /// A request's entry leaves the table, all its state with it.
+    pub(super) fn remove(&self, req_id: &str) -> Option<Request> {
+        let r = self.table.finish(req_id)?;
+        if r.watched.is_some() {
+            self.n_watched.fetch_sub(1, Relaxed);
+        }
+        Some(r)
     }
 
     /// What the workers must be told with the next step's metadata (taken:
