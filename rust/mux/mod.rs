@@ -10,6 +10,22 @@
 //! `cargo test` with plain Rust children, and the bindings only convert
 //! Python answers to [`ChildMatch`], `bool` and [`Params`].
 //!
+//! Each vLLM scheduler hook, through the layers (grep the hook's name:
+//! the Python connector's method and the bindings' `PySchedulerMux`
+//! method bear it; the core's method is named here):
+//!
+//! | vLLM hook                          | core (`SchedulerMux`)             | file                        |
+//! |------------------------------------|-----------------------------------|-----------------------------|
+//! | `get_num_new_matched_tokens`       | `lookup`                          | `scheduler/lookup.rs`       |
+//! | `update_state_after_alloc`         | `allocated`                       | `scheduler/admission.rs`    |
+//! | `request_finished`                 | `finish` ([`FinishHooks`])        | `scheduler/finish.rs`       |
+//! | `request_finished_all_groups`      | `finish_route`, `finish`          | `scheduler/finish.rs`       |
+//! | `register_finished_partial_tail`   | `partial_tail`                    | `scheduler/finish.rs`       |
+//! | `build_connector_meta`             | `take_outbox`                     | `scheduler/mod.rs`          |
+//! | `update_connector_output`          | `load_errors`, `reported`         | `scheduler/load_errors.rs`, `scheduler/held.rs` |
+//! | `get_kv_connector_stats`           | `take_interval_every`             | `scheduler/mod.rs`          |
+//! | `get_external_cache_hit_sources`   | `hit_sources`                     | `sources.rs`                |
+//!
 //! The rest of the multiplexer is its own modules here: [`requests`] (the
 //! per-request table, load policies), [`merge`] (the clash-checked merge of
 //! transfer params), [`completions`] (the worker side's completions, with
