@@ -110,10 +110,11 @@ def test_the_decode_recomputes_past_the_deadline_when_the_prefill_stops_or_dies(
         want_lost = pair.reference.token_ids(lost, dl)
         want_local = pair.reference.token_ids(local, dl)
         d0 = pair.decode.state(dl)
-        t0 = time.monotonic()
         _, dec = prefill_then_decode(pair.prefill, pair.decode, healthy, dl)
         assert [r["token_ids"] for r in dec] == want_healthy
-        assert time.monotonic() - t0 < DEADLINE_S
+        # Loaded within the deadline: NIXL's load_timeouts did not move (a
+        # wall-clock bound here measured the machine's load: 18 s on a busy
+        # 2-core machine for a push that loaded in time).
         d1 = settle(pair.decode, dl, idle)
         assert nixl_counters(d1).get("load_timeouts", 0) == nixl_counters(d0).get(
             "load_timeouts", 0
