@@ -909,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.bench.tiny_model import tiny_llama
 
     opts = SoakOptions(
         duration_s=args.duration,

@@ -31,7 +31,7 @@ if not _has_vllm_cpu():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.bench.tiny_model import tiny_llama
 
     return str(tiny_llama())
 

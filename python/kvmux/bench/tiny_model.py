@@ -1,6 +1,8 @@
-"""The tiny random-weight Llama the demo serves, with a locally trained BPE
-tokenizer, built once into kvmux's cache folder: a real model vLLM serves on
-the CPU in seconds, with nothing downloaded from a hub.
+"""The tiny random-weight Llamas the demo and the serving benchmarks serve,
+with a locally trained BPE tokenizer, built once into kvmux's cache folder:
+real models vLLM serves on the CPU in seconds, with nothing downloaded from
+a hub. (Here, under ``kvmux.bench``, so that the command line imports the
+benchmarks and never the other way round.)
 
 One recipe (:data:`LLAMA`, the model's shape: what vLLM's CPU attention
 backend accepts), one cache root (:func:`cache_root`), two forms:
