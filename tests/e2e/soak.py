@@ -89,7 +89,7 @@ import httpx
 from kvmux.bench.lmcache import LMCacheServer
 from kvmux.cli import engine
 from tests.e2e.server import Deadline, Samples, Server, metric, scrape, serve
-from tests.readme_configs import readme_configs, substitute
+from tests.support.readme_configs import readme_configs, substitute
 
 __all__ = [
     "KINDS",

@@ -1,6 +1,6 @@
 """A real LMCache multi-process (MP) server on loopback only, which the
 benchmarks that compare against LMCache start (C1L, ``bench serve``,
-``bench fleet``); the tests reuse it (``tests/lmcache_server.py``).
+``bench fleet``); the tests reuse it (``tests/support/lmcache_server.py``).
 
 LMCache's own ``python -m lmcache.v1.multiprocess.server``: a subprocess in
 its own process group on a free 127.0.0.1 port, usage tracking off,
