@@ -1,4 +1,4 @@
-"""``python -m kvmux bench --block-size N`` (issue 33: vLLM 0.34's GPU default
+"""``python -m benches.overhead --block-size N`` (issue 33: vLLM 0.34's GPU default
 block size is 64, was 16): P3 keys the same 32,768-token prompt at N in both
 tiers, P4 copies N-token blocks, the same bytes per step; an invalid N is
 refused. Behaviour only: no timing is asserted."""
@@ -10,13 +10,12 @@ import json
 
 import pytest
 
-from kvmux.bench import copies, lookup, runner
-from kvmux.cli import bench as cli_bench
+from benches.overhead import command, copies, lookup, runner
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    cli_bench.add_arguments(parser)
+    command.add_arguments(parser)
     return parser
 
 
@@ -45,7 +44,7 @@ def test_bench_block_size_64_runs_p3_and_p4_and_says_so(tmp_path, capsys):
         ["--only", "P3", "P4", "--quick", "--block-size", "64", "--repeats", "1"]
         + ["--warmup", "0", "--no-progress", "--json", str(out_json)]
     )
-    assert cli_bench.run(args) == 0
+    assert command.run(args) == 0
     out = capsys.readouterr().out
     assert "P3: per op = lookup of 512 blocks of 64 tokens" in out
     assert "P4: per op = 32 blocks of 64 tokens" in out
@@ -79,4 +78,4 @@ def test_only_p3_and_p4_get_the_block_size(monkeypatch):
 def test_bench_refuses_a_block_size_not_a_positive_multiple_of_16(bad):
     args = _parser().parse_args(["--only", "P3", "--block-size", bad])
     with pytest.raises(SystemExit, match=r"--block-size must be a positive multiple of 16"):
-        cli_bench.run(args)
+        command.run(args)

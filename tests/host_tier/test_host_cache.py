@@ -14,7 +14,6 @@ from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConfigError, KvmuxHostCache
 from kvmux._core import HostIndex
-from kvmux.bench.sim import make_request
 from kvmux.host_cache.metadata import HostCacheWorkerMetadata
 from kvmux.host_cache.scheduler import HostCacheScheduler
 from kvmux.host_cache.transfer import HostPool, UnsupportedKVLayout, contiguous_runs
@@ -25,6 +24,7 @@ from tests.support.harness import (
     mux_config,
     scripted,
 )
+from tests.support.sim import make_request
 
 PREFIX = list(range(500, 548))  # 3 full blocks
 

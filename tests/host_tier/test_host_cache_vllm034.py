@@ -40,10 +40,9 @@ from vllm.v1.request import Request
 
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxHostCache, _versions
 from kvmux._fanout import constant_answer
-from kvmux.bench import sim
 from kvmux.host_cache.metadata import HostCacheMetadata, SaveJob
 from kvmux.host_cache.worker import HostCacheWorker
-from tests.support import harness
+from tests.support import harness, sim
 from tests.support.harness import (
     BLOCK_SIZE,
     HEAD_SIZE,

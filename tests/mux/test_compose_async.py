@@ -32,9 +32,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConnector
-from kvmux.bench.sim import fake_model_output
 from tests.support import harness
 from tests.support.harness import mux_config, scripted
+from tests.support.sim import fake_model_output
 
 PROMPT = list(range(500, 560))  # 60 tokens: 3 full blocks loadable, the rest computed
 SPANS = (32, 16)  # child 0 loads [0, 32), child 1 [32, 48)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux import KvmuxConnector
-from kvmux.bench.children import NoopConnector
+from tests.support.children import NoopConnector
 from tests.support.harness import (
     child,
     kv_cache_config,
@@ -52,7 +52,7 @@ def test_a_constant_answer_still_chooses_the_loading_child():
 
 
 def test_hooks_set_on_a_child_instance_are_always_called():
-    noop = child("NoopConnector", module="kvmux.bench.children")
+    noop = child("NoopConnector", module="tests.support.children")
     conn = build([noop, child("InstanceHookConnector", module="tests.mux.test_fanout")])
     assert conn.get_num_new_matched_tokens(make_request("r", range(100)), 0) == (16, False)
     assert conn.active_children("get_num_new_matched_tokens") == (1,)

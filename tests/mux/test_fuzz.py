@@ -11,7 +11,7 @@ completions and completions of requests a child never saved, prefix-cache
 resets, and on vLLM 0.34 ``--max-num-inflight-kv-loads`` with a full batch
 (async loads started in "loads only" mode, lookups that get no allocation),
 through ``KvmuxConnector`` over ``KvmuxHostCache`` and two scripted children,
-driven by vLLM's real scheduler (``kvmux.bench.sim``, with
+driven by vLLM's real scheduler (``tests.support.sim``, with
 ``tests.support.harness``'s KV writes). Invariants are checked after every
 step and at the end through public introspection calls only.
 

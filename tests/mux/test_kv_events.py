@@ -28,8 +28,8 @@ from vllm.distributed.kv_events import (
     BlockStored,
 )
 
-from kvmux.bench import sim
 from kvmux.events import deduplicated
+from tests.support import sim
 from tests.support.harness import BLOCK_SIZE, KVTransferConfig, child, mux_config
 from tests.support.published import Published
 

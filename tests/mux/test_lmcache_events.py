@@ -55,7 +55,7 @@ from vllm.distributed.kv_events import (
     BlockStored,
 )
 
-from kvmux.bench import sim
+from tests.support import sim
 from tests.support.harness import SchedulerSim, mux_config
 from tests.support.lmcache_server import LMCacheServer, skip_unless_lmcache_runs, time_limit
 from tests.support.published import Published

@@ -14,11 +14,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxHostCache
 from kvmux._core import BY_CHILD_KEY, LOCAL_KEY, HostIndex
-from kvmux.bench.sim import make_request
 from kvmux.config import parse_mux_config
 from tests.host_tier.test_host_cache import PREFIX, host_cache, host_child
 from tests.support.harness import mux_config, scripted
 from tests.support.scripted import ScriptedConnector
+from tests.support.sim import make_request
 
 STATS = {"host_cache_stats": True, "num_extra_cached_tokens": True}
 

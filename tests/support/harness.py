@@ -1,4 +1,4 @@
-"""Test helpers over :mod:`kvmux.bench.sim` (vLLM's real scheduler in one
+"""Test helpers over :mod:`tests.support.sim` (vLLM's real scheduler in one
 process): a stand-in model that writes KV, so loaded blocks can be checked
 bit for bit; a hybrid KV cache; child configs, including the scripted
 children of ``tests/support/scripted.py``."""
@@ -19,8 +19,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvmux.bench import sim
-from kvmux.bench.sim import (  # noqa: F401 - re-exported for the tests
+from tests.support import sim
+from tests.support.sim import (  # noqa: F401 - re-exported for the tests
     BLOCK_SIZE,
     HEAD_SIZE,
     KV_HEADS,
@@ -37,9 +37,9 @@ from kvmux.bench.sim import (  # noqa: F401 - re-exported for the tests
 )
 
 #: The module path of the scripted children (``tests/support/scripted.py``) and of
-#: the one no-op child (``kvmux.bench.children``), for ``child(..., module=)``.
+#: the one no-op child (``tests.support.children``), for ``child(..., module=)``.
 SCRIPTED = "tests.support.scripted"
-NOOP = "kvmux.bench.children"
+NOOP = "tests.support.children"
 
 
 def kv_values(tokens: Any) -> list[float]:
@@ -53,7 +53,7 @@ def kv_values(tokens: Any) -> list[float]:
 
 
 class SchedulerSim(sim.SchedulerSim):
-    """:class:`kvmux.bench.sim.SchedulerSim` with a stand-in model whose
+    """:class:`tests.support.sim.SchedulerSim` with a stand-in model whose
     "attention" writes, per layer, KV that depends only on the prefix
     (:func:`kv_values`), so every loaded block can be checked bit for bit.
 

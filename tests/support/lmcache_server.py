@@ -3,7 +3,7 @@ fixtures around :class:`kvmux.bench.lmcache.LMCacheServer` (the one
 launcher, shared with the benchmarks: LMCache's own server as a subprocess
 in its own process group on a free 127.0.0.1 port, stopped by its pid and
 process group, never by name; chunk size the vLLM block size, 16, of
-:mod:`kvmux.bench.sim`), and :func:`time_limit` for fault tests.
+:mod:`tests.support.sim`), and :func:`time_limit` for fault tests.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ backend accepts), one cache root (:func:`cache_root`), two forms:
 - :func:`tiny_llama`: the model (weights and tokenizer), for an engine;
 - :func:`tiny_llama_config`: its ``config.json`` alone, enough for vLLM's
   ``ModelConfig`` where no model runs (the benchmarks' scheduler,
-  :mod:`kvmux.bench.sim`).
+  :mod:`tests.support.sim`).
 
 Weights are seeded, so every build is the same model. Building needs
 ``torch``, ``transformers`` and ``tokenizers`` (all in vLLM's requirements).

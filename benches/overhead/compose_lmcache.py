@@ -1,4 +1,4 @@
-"""C1L: C1 (:mod:`kvmux.bench.compose`) with the real LMCache as the second
+"""C1L: C1 (:mod:`benches.overhead.compose`) with the real LMCache as the second
 tier, so the time to load compares a local span with a remote one.
 
 Same workload, policies and checks as C1; ``tier2`` is LMCache's
@@ -18,7 +18,7 @@ uses its synchronous ``EngineDrivenTransferContext``, so ``start_load_kv``
 returns once every span is in the paged KV (per request: a round trip to
 the server to stage the chunks, the copy, a round trip to release them)
 and the same step reports them done. The time to load is C1's clock
-(:class:`kvmux.bench.compose.LoadClock`), which covers both: the seconds
+(:class:`benches.overhead.compose.LoadClock`), which covers both: the seconds
 during which the worker is in a load hook or has an asynchronous load
 outstanding, from the ``start_load_kv`` that submits a load to the poll
 that reports the last one done, the engine loop's steps and its idle polls
@@ -29,7 +29,7 @@ counter: LMCache's bytes are the tokens kvmux credits it with
 bytes per token. Each run uses a model folder of its own, so its LMCache
 keys are new: no run finds an earlier run's KV.
 
-If LMCache is not installed, :mod:`kvmux.bench` does not list C1L (the
+If LMCache is not installed, :mod:`benches.overhead` does not list C1L (the
 runner has no way to skip a case), and ``build`` raises with the reason.
 """
 
@@ -38,8 +38,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from kvmux.bench import compose
-from kvmux.bench.case import Case
+from benches.overhead import compose
+from benches.overhead.case import Case
 from kvmux.bench.lmcache import LMCacheServer, unavailable
 
 __all__ = ["IDLE_WAIT_S", "build"]

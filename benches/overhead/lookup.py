@@ -27,8 +27,8 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvmux.bench.case import Case
-from kvmux.bench.sim import BLOCK_SIZE, kv_cache_config, make_request, vllm_config
+from benches.overhead.case import Case
+from tests.support.sim import BLOCK_SIZE, kv_cache_config, make_request, vllm_config
 
 __all__ = ["build"]
 

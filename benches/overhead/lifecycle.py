@@ -1,9 +1,9 @@
 """P1: the scheduler side of whole request lifecycles through 3 no-op children.
 
-vLLM's real v1 ``Scheduler`` (:class:`kvmux.bench.sim.SchedulerSim`) runs a batch
+vLLM's real v1 ``Scheduler`` (:class:`tests.support.sim.SchedulerSim`) runs a batch
 of requests to completion once per side, with its scheduler-side connector
 built by vLLM's connector factory (kvmux, or vLLM's ``MultiConnector``) over
-three :class:`~kvmux.bench.children.NoopConnector` children. Every call the
+three :class:`~tests.support.children.NoopConnector` children. Every call the
 scheduler makes into its connector (lookups, allocations, per-step metadata,
 worker output, stats, events, finishes, ...) is recorded with its real
 arguments (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``,
@@ -27,14 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvmux.bench.case import Case
-from kvmux.bench.sim import BLOCK_SIZE, SchedulerSim, kv_cache_config
+from benches.overhead.case import Case
+from tests.support.sim import BLOCK_SIZE, SchedulerSim, kv_cache_config
 
 __all__ = ["build", "children", "hooks", "record", "replayer"]
 
 CHILD = {
     "kv_connector": "NoopConnector",
-    "kv_connector_module_path": "kvmux.bench.children",
+    "kv_connector_module_path": "tests.support.children",
     "kv_role": "kv_both",
 }
 NUM_BLOCKS = 1024

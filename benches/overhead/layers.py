@@ -1,7 +1,7 @@
 """P2: the worker's per-layer hot path, ``wait_for_layer_load`` and
 ``save_kv_layer`` for every layer of a 32-layer model, through 3 children of
-which one does work (:class:`~kvmux.bench.children.LayerworkConnector`, between
-two :class:`~kvmux.bench.children.NoopConnector`).
+which one does work (:class:`~tests.support.children.LayerworkConnector`, between
+two :class:`~tests.support.children.NoopConnector`).
 
 Both worker-side connectors come from vLLM's connector factory, get real CPU
 tensors in ``register_kv_caches`` and the connector metadata their
@@ -21,15 +21,15 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvmux.bench.case import Case
-from kvmux.bench.sim import SchedulerSim, kv_cache_config
+from benches.overhead.case import Case
+from tests.support.sim import SchedulerSim, kv_cache_config
 
 __all__ = ["build"]
 
 NUM_LAYERS = 32
 NOOP = {
     "kv_connector": "NoopConnector",
-    "kv_connector_module_path": "kvmux.bench.children",
+    "kv_connector_module_path": "tests.support.children",
     "kv_role": "kv_both",
 }
 WORK = {**NOOP, "kv_connector": "LayerworkConnector"}

@@ -5,7 +5,7 @@ Two children, in this order: ``host``, kvmux's host tier
 (``KvmuxHostCache``), holding the first :data:`HOST_BLOCKS` blocks of each
 prefix, and ``tier2``, holding every prefix whole: in C1 a second
 ``KvmuxHostCache`` standing in for a larger, slower tier; in C1L
-(:mod:`kvmux.bench.compose_lmcache`) the real LMCache, a :class:`Tier2`
+(:mod:`benches.overhead.compose_lmcache`) the real LMCache, a :class:`Tier2`
 given to :func:`build`. Each configuration runs on a fresh scheduler and
 fresh children, warmed the same way: every prefix is computed once (both
 tiers save it), the host tier is emptied (``reset_cache``), the first halves
@@ -34,7 +34,7 @@ in the two hooks. The bytes each tier moved (the children's own
 it with times the KV bytes per token), the tokens each loaded and the tokens
 vLLM recomputed are deterministic; they are in the JSON's notes and the
 table's footer. The model is a stand-in (vLLM's real scheduler and
-connectors, :class:`kvmux.bench.sim.SchedulerSim`) whose "attention" writes
+connectors, :class:`tests.support.sim.SchedulerSim`) whose "attention" writes
 KV that depends only on the prefix, so ``check`` compares every loaded block
 bit for bit with computing it; recomputing costs nothing here, which is why
 ``first``'s time to load is the least: on a GPU it pays that recomputation
@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from vllm.config import KVTransferConfig
 
-from kvmux.bench.case import Case
-from kvmux.bench.sim import BLOCK_SIZE, SchedulerSim
+from benches.overhead.case import Case
+from tests.support.sim import BLOCK_SIZE, SchedulerSim
 
 __all__ = ["POLICIES", "LoadClock", "Tier2", "build"]
 

@@ -1,5 +1,7 @@
 """vLLM's real v1 scheduler driving a connector in one process, no GPU, no
-model: what the benchmarks (P1-P3) build their connectors and workloads on.
+model: what the tests (:mod:`tests.support.harness`) and kvmux's overhead
+benchmarks (``benches/overhead``: P1-P3, P1h, S1, C1) build their connectors
+and workloads on. Not in the wheel.
 
 Everything is vLLM's real code (``VllmConfig``, ``Request``, ``Scheduler``,
 the connector factory, ``KVConnectorOutput``) except the model runner: there

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmux.bench import CASES
-from kvmux.bench.case import Case
-from kvmux.bench.timing import Progress, Timing, time_pairs
+from benches.overhead import CASES
+from benches.overhead.case import Case
+from benches.overhead.timing import Progress, Timing, time_pairs
 
 __all__ = ["BLOCK_SIZE_CASES", "Result", "format_table", "run", "write_json", "write_plot"]
 
@@ -214,7 +214,7 @@ def environment() -> dict[str, Any]:
 
 def write_json(path: str | Path, results: Sequence[Result], argv: Sequence[str]) -> None:
     doc = {
-        "command": "python -m kvmux bench " + " ".join(argv),
+        "command": " ".join(["python", "-m", "benches.overhead", *argv]),
         "environment": environment(),
         "results": [r.to_json() for r in results],
     }

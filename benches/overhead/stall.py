@@ -3,7 +3,7 @@ against vLLM's ``MultiConnector`` (which has none).
 
 Two children on both sides, in this order: kvmux's host tier
 (``KvmuxHostCache``, its worker really copying blocks) and a
-:class:`~kvmux.bench.children.StallConnector`, a cache that answers each
+:class:`~tests.support.children.StallConnector`, a cache that answers each
 request's lookup "not ready" for :data:`STALL_MS` of wall time, then a miss
 (a cache server answering slowly). kvmux gives the stalling child
 ``lookup_timeout_ms`` = :data:`DEADLINE_MS` in its entry: past it, the child
@@ -14,7 +14,7 @@ waiting at all, and after each cooldown (1 s, doubling) one request probes
 it and waits out the deadline again. ``MultiConnector`` answers "not ready"
 for as long as any child does, so its requests wait out the stall.
 
-vLLM's real v1 ``Scheduler`` (:class:`kvmux.bench.sim.SchedulerSim`) runs an
+vLLM's real v1 ``Scheduler`` (:class:`tests.support.sim.SchedulerSim`) runs an
 open-loop workload in wall time: requests arrive at seeded exponential
 intervals (a Poisson stream) with P1h's prompts (32 shared prefixes that
 vLLM's small device cache keeps losing, so the host tier serves hits), and
@@ -36,9 +36,9 @@ from typing import Any
 
 from vllm.config import KVTransferConfig
 
-from kvmux.bench import host_lifecycle
-from kvmux.bench.case import Case
-from kvmux.bench.sim import SchedulerSim
+from benches.overhead import host_lifecycle
+from benches.overhead.case import Case
+from tests.support.sim import SchedulerSim
 
 __all__ = ["DEADLINE_MS", "STALL_MS", "build"]
 
@@ -64,7 +64,7 @@ HOST = {
 }
 STALL = {
     "kv_connector": "StallConnector",
-    "kv_connector_module_path": "kvmux.bench.children",
+    "kv_connector_module_path": "tests.support.children",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"stall_ms": STALL_MS},
 }

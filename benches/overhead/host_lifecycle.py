@@ -1,7 +1,7 @@
 """P1h: P1's scheduler-side request lifecycles, with one child that does real
 work in every hook: kvmux's host tier, ``KvmuxHostCache``.
 
-vLLM's real v1 ``Scheduler`` (:class:`kvmux.bench.sim.SchedulerSim`, one
+vLLM's real v1 ``Scheduler`` (:class:`tests.support.sim.SchedulerSim`, one
 worker whose host tier really copies blocks) runs 1,024 requests to
 completion (256 with ``--quick``), with its scheduler-side connector built by
 vLLM's connector factory: kvmux, or vLLM's ``MultiConnector``, over the one
@@ -30,9 +30,9 @@ from typing import Any
 
 from vllm.config import KVTransferConfig
 
-from kvmux.bench.case import Case
-from kvmux.bench.lifecycle import hooks
-from kvmux.bench.sim import BLOCK_SIZE, SchedulerSim
+from benches.overhead.case import Case
+from benches.overhead.lifecycle import hooks
+from tests.support.sim import BLOCK_SIZE, SchedulerSim
 
 __all__ = ["build"]
 

@@ -25,7 +25,7 @@ import random
 
 import torch
 
-from kvmux.bench.case import Case
+from benches.overhead.case import Case
 from kvmux.host_cache.transfer import HostPool
 
 __all__ = ["build"]

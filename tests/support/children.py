@@ -1,8 +1,10 @@
-"""The child connectors the benchmarks put under kvmux and under vLLM's
-``MultiConnector`` (the same classes, configs and inputs on both sides).
+"""The child connectors the overhead benchmarks (``benches/overhead``) put
+under kvmux and under vLLM's ``MultiConnector`` (the same classes, configs
+and inputs on both sides); the tests use the no-op one too
+(``tests.support.harness.NOOP``). Not in the wheel.
 
 They are real ``KVConnectorBase_V1`` subclasses, found by vLLM's connector
-factory through ``kv_connector_module_path="kvmux.bench.children"``; they
+factory through ``kv_connector_module_path="tests.support.children"``; they
 stand in for children whose own work is not what is being measured.
 
 - :class:`NoopConnector`: every hook does nothing (a lookup matches 0 tokens,
