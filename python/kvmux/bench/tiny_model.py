@@ -9,8 +9,9 @@ backend accepts), one cache root (:func:`cache_root`), two forms:
 
 - :func:`tiny_llama`: the model (weights and tokenizer), for an engine;
 - :func:`tiny_llama_config`: its ``config.json`` alone, enough for vLLM's
-  ``ModelConfig`` where no model runs (the benchmarks' scheduler,
-  :mod:`tests.support.sim`).
+  ``ModelConfig`` where no model runs (the scheduler simulator of the tests
+  and the overhead benchmarks, ``tests/support/sim.py`` in a source
+  checkout).
 
 Weights are seeded, so every build is the same model. Building needs
 ``torch``, ``transformers`` and ``tokenizers`` (all in vLLM's requirements).
