@@ -252,8 +252,8 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
         )
 
 
-#: A plan that preempts and fails loads whatever Hypothesis generates (20
-#: preemptions, 10 failed blocks here): 50 requests of 4 full blocks queued
+#: A plan that preempts and fails loads whatever Hypothesis generates (24
+#: preemptions, 6 failed loads here): 50 requests of 4 full blocks queued
 #: before the first step outgrow the 16 device blocks as they decode, and
 #: child ``a`` offers 32 tokens it then fails to load. The fuzzing test runs
 #: it first, so what it asserts it exercised does not hang on the seed, on
@@ -275,6 +275,9 @@ PREEMPTING_PLAN = {
         "repeat_completions": False,
     },
     "load_policy": "first",
+    # Recompute: under "fail" vLLM fails the requests whose load failed, and
+    # too few are left decoding to outgrow the device cache (no preemption).
+    "load_failure_policy": "recompute",
     "host_blocks": 8,
     "events": [
         ({"prefix": i % 3, "shared": 48, "suffix": 16, "max_tokens": 6, "ask": True}, [])
