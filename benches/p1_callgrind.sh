@@ -7,11 +7,12 @@
 set -euo pipefail
 side=${1:-kvmux}
 n=${2:-20}
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"  # benches.* and tests.* import from the repository root
 work=$(mktemp -d)
 flag=$work/flag
 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/cg.out" \
-    python "$here/p1_callgrind_replay.py" "$side" "$n" "$flag" >"$work/log" 2>&1 &
+    python -m benches.p1_callgrind_replay "$side" "$n" "$flag" >"$work/log" 2>&1 &
 vg=$!
 until [[ -e $flag.ready ]]; do
     kill -0 $vg 2>/dev/null || { cat "$work/log" >&2; exit 1; }

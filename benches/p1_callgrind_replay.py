@@ -1,11 +1,11 @@
 """The process ``benches/p1_callgrind.sh`` runs under callgrind: records P1's
-scheduler calls (``python -m kvmux bench --only P1``'s 64 request
+scheduler calls (``python -m benches.overhead --only P1``'s 64 request
 lifecycles) on one side, then waits for ``FLAG.go``, replays them ``N``
 times, writes ``FLAG.done`` and waits for ``FLAG.end``. Only the replays are
 instrumented (the script switches callgrind on and off around them), so the
 instruction count is the connector's own, repeatable on a noisy machine.
 
-    python benches/p1_callgrind_replay.py kvmux|mc N FLAG
+    python -m benches.p1_callgrind_replay kvmux|mc N FLAG   # from the repository root
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import random
 import sys
 import time
 
-from kvmux.bench import lifecycle
-from kvmux.bench.sim import BLOCK_SIZE
+from benches.overhead import lifecycle
+from tests.support.sim import BLOCK_SIZE
 
 
 def _wait(path: str) -> None:

@@ -1,7 +1,7 @@
 """P1 split by hook: replays the recorded scheduler calls of
-``python -m kvmux bench --only P1`` on kvmux and on vLLM's MultiConnector,
+``python -m benches.overhead --only P1`` on kvmux and on vLLM's MultiConnector,
 timing each call on its own (so every figure carries ~0.25 us of timer per
-call). Run: python benches/p1_per_hook.py"""
+call). Run from the repository root: python -m benches.p1_per_hook"""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import collections
 import random
 import time
 
-from kvmux.bench import lifecycle
-from kvmux.bench.sim import BLOCK_SIZE
+from benches.overhead import lifecycle
+from tests.support.sim import BLOCK_SIZE
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """P1's per-step hooks, each timed on its own with ``timeit`` (ns a call,
 minimum of 5 x 20,000 calls), on a connector that replayed the recorded
-scheduler calls of ``python -m kvmux bench --only P1``; and the whole replay
+scheduler calls of ``python -m benches.overhead --only P1``; and the whole replay
 of 64 request lifecycles (us, minimum of 5 x 200). Run against two builds
-in turn to compare them: python benches/p1_per_step_hooks.py"""
+in turn to compare them, from the repository root: python -m
+benches.p1_per_step_hooks"""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import logging
 import random
 import timeit
 
-from kvmux.bench import lifecycle
-from kvmux.bench.sim import BLOCK_SIZE
+from benches.overhead import lifecycle
+from tests.support.sim import BLOCK_SIZE
 
 HOOKS = (
     "build_connector_meta",

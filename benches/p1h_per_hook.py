@@ -1,11 +1,12 @@
-"""P1h split by hook: runs the workload of ``python -m kvmux bench --only
-P1h`` three times per side (kvmux and vLLM's MultiConnector over one
+"""P1h split by hook: runs the workload of ``python -m benches.overhead
+--only P1h`` three times per side (kvmux and vLLM's MultiConnector over one
 ``KvmuxHostCache``) and prints the time spent in each hook vLLM's scheduler
-calls (outermost calls only), in ms per run. Run: python benches/p1h_per_hook.py"""
+calls (outermost calls only), in ms per run. Run from the repository root:
+python -m benches.p1h_per_hook"""
 
 from __future__ import annotations
 
-from kvmux.bench import host_lifecycle as hl
+from benches.overhead import host_lifecycle as hl
 
 RUNS = 3
 

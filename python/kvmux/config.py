@@ -73,7 +73,7 @@ NAME_KEY = "name"
 #: child loads only the span after the ``num_computed_tokens`` its lookup was
 #: given, so it may follow other children.
 SPANS_KEY = "loads_spans"
-#: Children measured to load a span correctly (``tests/test_compose.py``);
+#: Children measured to load a span correctly (``tests/mux/test_compose.py``);
 #: any other may only be the first child under ``compose``, unless its
 #: entry sets :data:`SPANS_KEY`.
 SPAN_LOADERS = ("KvmuxHostCache", "LMCacheMPConnector")

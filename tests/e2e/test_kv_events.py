@@ -3,7 +3,7 @@ receives them: vLLM's own ZMQ publisher (``kv_events_config``) on a local
 port and a subscriber decoding its ``KVEventBatch`` messages.
 
 kvmux runs the host tier (room for 6 blocks) and a child that reports its
-stores from its workers (``tests.event_children``); two prompts of 5 full
+stores from its workers (``tests.support.event_children``); two prompts of 5 full
 blocks each, then the first again after vLLM's own prefix cache is reset.
 """
 
@@ -23,7 +23,7 @@ FIRST = [100 + t for t in range(5 * BLOCK_SIZE + 3)]
 SECOND = [600 + t for t in range(5 * BLOCK_SIZE + 3)]
 WORKER_CHILD = {
     "kv_connector": "WorkerEventsConnector",
-    "kv_connector_module_path": "tests.event_children",
+    "kv_connector_module_path": "tests.support.event_children",
     "kv_role": "kv_both",
 }
 

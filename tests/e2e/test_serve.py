@@ -55,7 +55,7 @@ import pytest
 
 from kvmux.cli import engine
 from tests.e2e.server import Deadline, Samples, Server, metric, scrape, serve
-from tests.readme_configs import readme_configs, substitute
+from tests.support.readme_configs import readme_configs, substitute
 
 pytestmark = pytest.mark.multiprocess
 

@@ -20,7 +20,7 @@ the summary and the server's tracebacks.
 It found one kvmux bug, fixed since: after a preemption the host tier's
 per-request ``host_cache_stats.loaded_tokens`` added the tokens loaded again
 on resume (288 for a request of 164 tokens whose ``num_extra_cached_tokens``
-was 160); ``tests/test_preemption_attribution.py`` now guards it.
+was 160); ``tests/mux/test_preemption_attribution.py`` now guards it.
 """
 
 from __future__ import annotations

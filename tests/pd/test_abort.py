@@ -15,7 +15,7 @@ engine.
 The host tier on the decode has no save in flight for a request that never
 ran, so it answers ``async_save=False`` here: the completion sequence that
 crashes vLLM (a load and a save both reported for the aborted request) is
-shown through vLLM's scheduler in ``tests/test_abort_mid_load.py``; this
+shown through vLLM's scheduler in ``tests/mux/test_abort_mid_load.py``; this
 module shows the deployment's abort path end to end.
 """
 

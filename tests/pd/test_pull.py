@@ -41,7 +41,7 @@ from tests.pd.pd import (
     settle,
     warm_engines,
 )
-from tests.readme_configs import readme_configs
+from tests.support.readme_configs import readme_configs
 
 START_S = 360  # four engines starting together on two shared cores: ~0.5-1.5 min
 TEST_S = 150  # each test, its waits included

@@ -170,7 +170,7 @@ def run(
     from kvmux.bench.redis import RedisServer, resp_adapter
     from kvmux.bench.redis import unavailable as redis_unavailable
     from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
-    from kvmux.cli.tiny_model import serve_llama
+    from kvmux.bench.tiny_model import serve_llama
 
     t_all = time.perf_counter()
     model = str(serve_llama())

@@ -1,15 +1,17 @@
 """A real LMCache multi-process (MP) server on loopback only, which the
-benchmarks that compare against LMCache start (C1L, ``bench serve``,
-``bench fleet``); the tests reuse it (``tests/lmcache_server.py``).
+benchmarks that compare against LMCache start (``bench serve``, ``bench
+fleet``, and from a source checkout the overhead comparison C1L); the tests
+reuse it (``tests/support/lmcache_server.py``).
 
 LMCache's own ``python -m lmcache.v1.multiprocess.server``: a subprocess in
 its own process group on a free 127.0.0.1 port, usage tracking off,
 ``--disable-metrics`` (otherwise it binds a Prometheus port on all
-interfaces), chunk size the vLLM block size of :mod:`kvmux.bench.sim` (as
-LMCache requires). It is stopped by its pid and process group, never by
-name: by :meth:`LMCacheServer.stop`, at interpreter exit if still running
-(the bench runner has no tear-down hook), and, should its parent be killed
-outright, by the kernel (Linux's parent-death signal).
+interfaces), chunk size vLLM's block size (as LMCache requires; by default
+:data:`CHUNK_SIZE`, vLLM's default block size on a GPU). It is stopped by its
+pid and process group, never by name: by :meth:`LMCacheServer.stop`, at
+interpreter exit if still running (a benchmark runner may have no tear-down
+hook), and, should its parent be killed outright, by the kernel (Linux's
+parent-death signal).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from typing import Any
 
 __all__ = ["HOST", "LMCacheServer", "free_port", "unavailable"]
 
-# Imports only the standard library: kvmux.bench imports it to list the cases.
+# Imports only the standard library: listing the benchmarks asks unavailable().
 
 HOST = "127.0.0.1"
 #: Start-up is ~4 s on an idle 2-core machine; other jobs may share it.
 START_TIMEOUT_S = 120.0
 SERVER_MODULE = "lmcache.v1.multiprocess.server"
+#: The chunk size when none is given: vLLM's default block size on a GPU (16),
+#: the block size of the scheduler the tests and the overhead benchmarks run.
+CHUNK_SIZE = 16
 
 
 def unavailable() -> str | None:
@@ -99,10 +104,8 @@ class LMCacheServer:
         l1_size_gb: float = 0.5,
         extra_args: Sequence[str] = (),
     ) -> None:
-        from kvmux.bench.sim import BLOCK_SIZE
-
         self.port = port or free_port()
-        self.chunk_size = chunk_size or BLOCK_SIZE  # must be vLLM's block size
+        self.chunk_size = chunk_size or CHUNK_SIZE  # must be vLLM's block size
         self.l1_size_gb = l1_size_gb
         # More server options, after the fixed ones (e.g. "--kv-event-log-size", "0").
         self.extra_args = list(extra_args)

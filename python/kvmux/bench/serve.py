@@ -9,7 +9,7 @@ context of its own (a shared system prompt plus a document), several rounds
 each whose prompt is the conversation so far (the model's own answers
 included), users arriving at a set rate, each sending its next round once the
 last answer is in. The model is a random-weight Llama built locally
-(:func:`kvmux.cli.tiny_model.serve_llama`) where prefill is the cost, and
+(:func:`kvmux.bench.tiny_model.serve_llama`) where prefill is the cost, and
 vLLM's KV cache is sized (``--num-gpu-blocks-override``) so that the users'
 contexts do not all fit in it: the reason a tier exists.
 
@@ -614,7 +614,7 @@ def run(
     """Run every system in turn; the report (JSON-able)."""
     from kvmux.bench.lmcache import LMCacheServer
     from kvmux.bench.lmcache import unavailable as lmcache_unavailable
-    from kvmux.cli.tiny_model import serve_llama
+    from kvmux.bench.tiny_model import serve_llama
 
     t = time.perf_counter()
     model = str(serve_llama())

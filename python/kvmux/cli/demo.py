@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine.prepare_env(multiprocess=args.multiprocess)
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from kvmux.cli.tiny_model import serve_llama, tiny_llama
+    from kvmux.bench.tiny_model import serve_llama, tiny_llama
 
     blocks, max_len = MODELS[args.model]
     work = engine.Workload(

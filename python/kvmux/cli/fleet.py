@@ -295,10 +295,10 @@ def _python(word: str) -> bool:
 
 def load_instance(text: str, index: int) -> tuple[str, dict[str, Any]]:
     """``(label, instance object)`` from a file path or a JSON string."""
-    from kvmux.cli.doctor import _load
+    from kvmux.cli.diagnosis import load_json
 
     try:
-        raw = _load(text)
+        raw = load_json(text)
     except OSError as e:
         raise InstanceFileError(f"cannot read instance file {text!r}: {e}") from e
     except ValueError as e:
@@ -724,7 +724,7 @@ def _check_store(instances: list[Instance], rep: FleetReport) -> None:
 
 def check_fleet(instances: list[Instance]) -> FleetReport:
     """Everything the fleet must agree on, plus each instance's own doctor report."""
-    from kvmux.cli.doctor import Report, diagnose
+    from kvmux.cli.diagnosis import Report, diagnose
 
     rep = FleetReport(instances=list(instances))
     for i in instances:
