@@ -1,5 +1,6 @@
 """The circuit breaker per child, driven through vLLM's real v1 ``Scheduler``
-(the rules: ``rust/mux/breaker.rs`` and ``SchedulerMux::lookup`` in ``rust/mux/scheduler/lookup.rs``).
+(the rules: ``rust/mux/breaker.rs`` and ``SchedulerMux::lookup`` in
+``rust/mux/scheduler/lookup.rs``).
 
 A child that keeps failing its lookups (missing its ``lookup_timeout_ms``, or
 raising) is not asked for a cooldown, then probed by one request. The

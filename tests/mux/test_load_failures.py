@@ -1,8 +1,8 @@
 """Failed loads reported by the workers stop counting as supplied tokens:
 the scheduler-side connector maps vLLM's ``invalid_block_ids`` and
 ``failed_recving`` back to the requests whose load they hit (the rule is in
-``rust/mux/scheduler/load_errors.rs``, ``SchedulerMux::load_errors``; here through the real connector and
-vLLM's ``Request`` and ``KVConnectorOutput``)."""
+``rust/mux/scheduler/load_errors.rs``, ``SchedulerMux::load_errors``; here
+through the real connector and vLLM's ``Request`` and ``KVConnectorOutput``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Lookup deadlines: a child still answering a request's lookup "not ready"
 past its ``lookup_timeout_ms`` is a miss for that request, driven through
-vLLM's real v1 ``Scheduler`` (the rule: ``SchedulerMux::lookup`` in ``rust/mux/scheduler/lookup.rs``).
+vLLM's real v1 ``Scheduler`` (the rule: ``SchedulerMux::lookup`` in
+``rust/mux/scheduler/lookup.rs``).
 """
 
 from __future__ import annotations
