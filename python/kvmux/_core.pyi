@@ -1,6 +1,6 @@
 """Types of kvmux's Rust core (``kvmux._core``)."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from typing_extensions import Self, final
@@ -242,16 +242,78 @@ class HostIndex:
     acknowledgements are here too, and what it stores, aborts, evicts and
     drops it reports as events (:meth:`take_events`)."""
 
-    def __new__(cls, capacity: int, groups: int = 1, workers: int = 1) -> Self:
+    def __new__(
+        cls,
+        capacity: int,
+        groups: int = 1,
+        workers: int = 1,
+        block_size: int = 16,
+        windows: list[int | None] | None = None,
+        promote: bool = True,
+    ) -> Self:
         """``capacity`` slots shared by ``groups`` key spaces (one per KV
         cache group); each save and load needs an acknowledgement from each
-        of ``workers`` workers."""
+        of ``workers`` workers. ``windows``: per group, None for full
+        attention, else the blocks it reads before a resume point (default:
+        all full attention); ``promote``: save the blocks other children
+        loaded too. The per-request table (``rust/host_tier/requests.rs``)
+        uses ``block_size``, ``windows`` and ``promote``."""
     @property
     def capacity(self) -> int: ...
     @property
     def groups(self) -> int: ...
     @property
     def workers(self) -> int: ...
+    @property
+    def num_requests(self) -> int:
+        """Requests the per-request table holds state for."""
+    def lookup(
+        self,
+        req_id: str,
+        keys: list[bytes],
+        num_computed: int,
+        num_tokens: int,
+        prompt_tokens: int,
+    ) -> int:
+        """``get_num_new_matched_tokens``: the tokens beyond ``num_computed``
+        every group can serve; the slots offered stay pinned until the
+        allocation, a new lookup or :meth:`finished`."""
+    def allocated(
+        self,
+        req_id: str,
+        keys: list[bytes],
+        block_ids: Sequence[Sequence[int]],
+        num_external: int,
+    ) -> tuple[int, list[int], int] | None:
+        """``update_state_after_alloc``: ``(loaded_tokens, [blocks queued per
+        group], load_errors)``; None when, in a model of several groups,
+        vLLM allocated blocks the lookup did not offer (nothing queued)."""
+    def take_loads(self) -> list[tuple[str, list[int], list[int], int, bool]]:
+        """The loads allocated since the last call: ``(req_id, slots, device
+        blocks, group, failed)``."""
+    def saves_due(
+        self, req_id: str, num_computed: int, num_scheduled: int, num_keys: int
+    ) -> tuple[int, int] | None:
+        """``build_connector_meta``, per scheduled request: the blocks
+        ``(first, full)`` to save now, or None."""
+    def reserve_saves(
+        self,
+        req_id: str,
+        keys: list[bytes],
+        first: int,
+        block_ids: Sequence[Sequence[int]],
+    ) -> tuple[
+        list[tuple[int, list[int], list[int], list[int], list[tuple[str, int, bytes, str | None]]]],
+        list[int],
+        int,
+    ]:
+        """Reserve the saves of the blocks from ``first`` (``keys``: theirs):
+        ``([(group, positions, slots, device blocks, events)], skipped per
+        group, promoted blocks)``."""
+    def finished(self, req_id: str) -> tuple[bool, int, int, list[int], list[int]] | None:
+        """``request_finished``: ``(async_save, loaded_tokens, saved_blocks,
+        loaded per group, saved per group)``, None for a request never
+        seen; its offer and unshipped loads are released."""
     def longest_prefix(self, keys: list[bytes], group: int = 0) -> int:
         """Leading blocks of ``keys`` whose ``group`` blocks are ready to load."""
     def servable_prefix(

@@ -4,18 +4,37 @@ use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
+use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::bindings::{key_str, repr, str_key};
 use crate::error::IndexError;
-use crate::host_tier::{chain_token_hashes, BlockIndex, Reach, ServablePrefix, SlotEvent};
+use crate::host_tier::{
+    chain_token_hashes, BlockIndex, HostTier, LoadPlan, Reach, ServablePrefix, SlotEvent,
+};
 
-/// The host tier's block index (see `crate::host_tier::block_index`)
-/// behind one lock: every call is a whole request's or a whole step's worth
-/// of blocks.
+/// The host tier's block index and per-request table (see
+/// `crate::host_tier`) behind one lock: every call is a whole request's or
+/// a whole step's worth of blocks, each scheduler hook one call.
 #[pyclass(frozen, name = "HostIndex", module = "kvmux._core")]
 pub struct PyHostIndex {
-    inner: Mutex<BlockIndex>,
+    inner: Mutex<HostTier>,
+}
+
+/// The lock's guard, seen as the index.
+struct IndexGuard<'a>(MutexGuard<'a, HostTier>);
+
+impl Deref for IndexGuard<'_> {
+    type Target = BlockIndex;
+    fn deref(&self) -> &BlockIndex {
+        &self.0.index
+    }
+}
+
+impl DerefMut for IndexGuard<'_> {
+    fn deref_mut(&mut self) -> &mut BlockIndex {
+        &mut self.0.index
+    }
 }
 
 /// A list of `bytes` keys, checked (and any Python code a bad key's `repr`
@@ -44,14 +63,18 @@ impl<'py> Keys<'py> {
 }
 
 impl PyHostIndex {
-    fn lock(&self) -> MutexGuard<'_, BlockIndex> {
+    fn lock(&self) -> IndexGuard<'_> {
+        IndexGuard(self.tier())
+    }
+
+    fn tier(&self) -> MutexGuard<'_, HostTier> {
         // A panic while holding the lock cannot leave the index half-updated
         // in a way later calls depend on more than `check()` reports.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The index locked, with `group` checked against its groups.
-    fn lock_group(&self, group: usize) -> PyResult<MutexGuard<'_, BlockIndex>> {
+    fn lock_group(&self, group: usize) -> PyResult<IndexGuard<'_>> {
         let ix = self.lock();
         if group >= ix.num_groups() {
             return Err(PyValueError::new_err(format!(
@@ -114,16 +137,180 @@ impl PyServablePrefix {
 
 #[pymethods]
 impl PyHostIndex {
+    /// `windows`: per group, None for full attention, else the blocks it
+    /// reads before a resume point (default: every group full attention);
+    /// `promote`: save the blocks other children loaded too.
     #[new]
-    #[pyo3(signature = (capacity, groups = 1, workers = 1))]
-    fn new(capacity: usize, groups: usize, workers: usize) -> PyResult<Self> {
+    #[pyo3(signature = (capacity, groups = 1, workers = 1, block_size = 16, windows = None, promote = true))]
+    fn new(
+        capacity: usize,
+        groups: usize,
+        workers: usize,
+        block_size: u64,
+        windows: Option<Vec<Option<usize>>>,
+        promote: bool,
+    ) -> PyResult<Self> {
         let index = BlockIndex::with_workers(capacity, groups, workers).map_err(|e| match e {
             IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
             _ => PyValueError::new_err(e.to_string()),
         })?;
+        let reach: Vec<Reach> = match windows {
+            None => vec![Reach::Prefix; groups],
+            Some(w) if w.len() == groups => w
+                .iter()
+                .map(|w| w.map_or(Reach::Prefix, Reach::Window))
+                .collect(),
+            Some(w) => {
+                return Err(PyValueError::new_err(format!(
+                    "windows needs one entry per group ({groups}), got {}",
+                    w.len()
+                )))
+            }
+        };
         Ok(Self {
-            inner: Mutex::new(index),
+            inner: Mutex::new(HostTier::new(index, block_size, reach, promote)),
         })
+    }
+
+    /// Requests the tier holds state for.
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.tier().num_requests()
+    }
+
+    /// `get_num_new_matched_tokens` (`HostTier::lookup`): the tokens beyond
+    /// `num_computed` every group can serve; what it offers is pinned.
+    fn lookup(
+        &self,
+        req_id: &Bound<'_, PyString>,
+        keys: &Bound<'_, PyList>,
+        num_computed: u64,
+        num_tokens: u64,
+        prompt_tokens: u64,
+    ) -> PyResult<u64> {
+        let req_id = str_key(req_id)?;
+        let keys = Keys::new(keys)?;
+        Ok(self.tier().lookup(
+            &req_id,
+            &keys.slices(),
+            num_computed,
+            num_tokens,
+            prompt_tokens,
+        ))
+    }
+
+    /// `update_state_after_alloc` (`HostTier::allocated`): `block_ids`, the
+    /// request's blocks per group. `(loaded_tokens, [blocks per group],
+    /// load_errors)`, or None when vLLM allocated, in a model of several
+    /// groups, blocks the lookup did not offer.
+    fn allocated(
+        &self,
+        req_id: &Bound<'_, PyString>,
+        keys: &Bound<'_, PyList>,
+        block_ids: Vec<Vec<u32>>,
+        num_external: u64,
+    ) -> PyResult<Option<(u64, Vec<usize>, usize)>> {
+        let req_id = str_key(req_id)?;
+        let keys = Keys::new(keys)?;
+        Ok(self
+            .tier()
+            .allocated(&req_id, &keys.slices(), &block_ids, num_external)
+            .ok()
+            .map(|a| (a.loaded_tokens, a.group_blocks, a.load_errors)))
+    }
+
+    /// The loads allocated since the last call: `(req_id, slots, blocks,
+    /// group, failed)`.
+    #[allow(clippy::type_complexity)]
+    fn take_loads<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Bound<'py, PyString>, Vec<u32>, Vec<u32>, usize, bool)>> {
+        let loads = self.tier().take_loads();
+        loads
+            .into_iter()
+            .map(|l: LoadPlan| {
+                Ok((
+                    key_str(py, &l.req_id)?,
+                    l.slots,
+                    l.blocks,
+                    l.group,
+                    l.failed,
+                ))
+            })
+            .collect()
+    }
+
+    /// `build_connector_meta`, per scheduled request: the blocks
+    /// `(first, full)` to save now, or None.
+    fn saves_due(
+        &self,
+        req_id: &Bound<'_, PyString>,
+        num_computed: u64,
+        num_scheduled: u64,
+        num_keys: usize,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let req_id = str_key(req_id)?;
+        Ok(self
+            .tier()
+            .saves_due(&req_id, num_computed, num_scheduled, num_keys))
+    }
+
+    /// Reserve the saves of the blocks from `first` (`keys`: theirs;
+    /// `block_ids`: the request's blocks per group): `([(group, positions,
+    /// slots, device blocks, events)], skipped per group, promoted)`.
+    #[allow(clippy::type_complexity)]
+    fn reserve_saves<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: &Bound<'py, PyString>,
+        keys: &Bound<'py, PyList>,
+        first: usize,
+        block_ids: Vec<Vec<u32>>,
+    ) -> PyResult<(
+        Vec<(usize, Vec<usize>, Vec<u32>, Vec<u32>, Vec<PyEvent<'py>>)>,
+        Vec<usize>,
+        usize,
+    )> {
+        let req_id = str_key(req_id)?;
+        let keys = Keys::new(keys)?;
+        let plan = self
+            .tier()
+            .reserve_saves(&req_id, &keys.slices(), first, &block_ids);
+        let groups = plan
+            .groups
+            .into_iter()
+            .map(|g| {
+                Ok((
+                    g.group,
+                    g.positions,
+                    g.slots,
+                    g.blocks,
+                    events_py(py, g.events)?,
+                ))
+            })
+            .collect::<PyResult<_>>()?;
+        Ok((groups, plan.skipped, plan.promoted))
+    }
+
+    /// `request_finished` (`HostTier::finished`): `(async_save,
+    /// loaded_tokens, saved_blocks, loaded per group, saved per group)`,
+    /// None for a request never seen.
+    #[allow(clippy::type_complexity)]
+    fn finished(
+        &self,
+        req_id: &Bound<'_, PyString>,
+    ) -> PyResult<Option<(bool, u64, usize, Vec<usize>, Vec<usize>)>> {
+        let req_id = str_key(req_id)?;
+        Ok(self.tier().finished(&req_id).map(|f| {
+            (
+                f.async_save,
+                f.loaded_tokens,
+                f.saved_blocks,
+                f.loaded_per_group,
+                f.saved_per_group,
+            )
+        }))
     }
 
     #[getter]
