@@ -295,8 +295,8 @@ class Policy:
 
         w = sim.worker
         clock = LoadClock(w)
-        w.start_load_kv = clock.hook(w.start_load_kv)  # type: ignore[method-assign]
-        w.wait_for_layer_load = clock.hook(w.wait_for_layer_load)  # type: ignore[method-assign]
+        w.start_load_kv = clock.hook(w.start_load_kv)
+        w.wait_for_layer_load = clock.hook(w.wait_for_layer_load)
         # Where the worker's step collects completed loads (vLLM 0.33's
         # runner: get_transfer_results; older ones: get_finished).
         polls = [h for h in ("get_finished", "get_transfer_results") if hasattr(w, h)]

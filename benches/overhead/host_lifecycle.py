@@ -36,7 +36,7 @@ from tests.support.sim import BLOCK_SIZE, SchedulerSim
 
 __all__ = ["build"]
 
-HOST = {
+HOST: dict[str, Any] = {
     "kv_connector": "KvmuxHostCache",
     "kv_connector_module_path": "kvmux",
     "kv_role": "kv_both",
@@ -81,7 +81,7 @@ class Lifecycles:
         self.sim: SchedulerSim | None = None
         self.calls: list[str] = []
         self.lookups: list[tuple[int, bool]] = []
-        self.per_hook: collections.Counter[str] = collections.Counter()
+        self.per_hook: collections.defaultdict[str, float] = collections.defaultdict(float)
         """Seconds spent in each hook, summed over every run so far."""
 
     def __call__(self) -> float:

@@ -44,7 +44,8 @@ def _worker(name: str, module: str | None) -> tuple[Any, Any]:
     )
     sim = SchedulerSim(ktc)
     meta = sim.scheduler.schedule().kv_connector_metadata  # a real step's metadata
-    conn = KVConnectorFactory.create_connector(
+    # Any: kvmux's connector or vLLM's MultiConnector, each with sub_connectors.
+    conn: Any = KVConnectorFactory.create_connector(
         config=sim.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config()
     )
     conn.register_kv_caches({n: torch.zeros(4, 2, 16, 64) for n in layer_names()})

@@ -105,7 +105,7 @@ def run(
     progress = progress or Progress()
     default_reps = 5 if quick else 25
     default_warm = 1 if quick else 3
-    out = []
+    out: list[Result] = []
     for key in keys:
         t0 = time.monotonic()
         progress.note(f"{key}: setting up")

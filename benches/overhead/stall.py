@@ -125,8 +125,8 @@ class Arrivals:
         first: dict[str, float] = {}
         schedule = sched.schedule
 
-        def timed_schedule() -> Any:
-            so = schedule()
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+            so = schedule(*args, **kwargs)
             now = time.monotonic()
             for r in so.scheduled_new_reqs:
                 first.setdefault(r.req_id, now)

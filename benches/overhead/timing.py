@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Progress", "Timing", "time_pair", "time_pairs"]
 
@@ -87,10 +88,10 @@ class Progress:
 def _run(fn: Callable[[], object], inner: int, self_timed: bool = False) -> dict[str, float]:
     """Seconds per call by figure name ("" when ``fn`` reports one)."""
     if self_timed:  # fn returns the seconds that count, or a dict of them
-        outs = [fn() for _ in range(inner)]
+        outs: list[Any] = [fn() for _ in range(inner)]  # all floats or all dicts
         if isinstance(outs[0], dict):
-            return {k: sum(float(o[k]) for o in outs) / inner for k in outs[0]}  # type: ignore[index]
-        return {"": sum(float(o) for o in outs) / inner}  # type: ignore[arg-type]
+            return {k: sum(float(o[k]) for o in outs) / inner for k in outs[0]}
+        return {"": sum(float(o) for o in outs) / inner}
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()

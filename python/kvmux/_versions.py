@@ -4,7 +4,10 @@ import, from what the installed vLLM has (never from its version string)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.config import SchedulerConfig as _SchedulerConfig
+from vllm.config import kv_transfer as _kv_transfer
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.v1 import outputs as _outputs
 from vllm.v1.core.sched import output as _sched_output
@@ -29,7 +32,8 @@ __all__ = [
 #: receives); older versions only through ``get_finished``.
 HAS_TRANSFER_RESULTS: bool = hasattr(_base, "KVConnectorTransferResults")
 
-TransferResults = getattr(_base, "KVConnectorTransferResults", None)
+#: Its class (Any: None on a vLLM without it).
+TransferResults: Any = getattr(_base, "KVConnectorTransferResults", None)
 
 #: vLLM 0.33 asks connectors ``supports_sleep_mode`` (a classmethod) and calls
 #: ``unregister_kv_caches`` / ``restore_kv_caches`` around sleep; vLLM 0.32
@@ -75,11 +79,9 @@ HAS_INFLIGHT_KV_LOADS: bool = "max_num_inflight_kv_loads" in getattr(
 
 #: vLLM 0.34 asks a connector class how its workers reach the device KV cache
 #: (``kv_cache_access``, ``KVCacheAccess`` flags) and decides from it how to
-#: allocate the KV cache; older versions have neither.
-try:
-    from vllm.config.kv_transfer import KVCacheAccess
-except ImportError:  # vLLM before 0.34
-    KVCacheAccess = None  # type: ignore[assignment,misc]
+#: allocate the KV cache; older versions have neither (None here; Any: a
+#: class on vLLM 0.34 only).
+KVCacheAccess: Any = getattr(_kv_transfer, "KVCacheAccess", None)
 
 HAS_KV_CACHE_ACCESS: bool = KVCacheAccess is not None and hasattr(
     _base.KVConnectorBase_V1, "kv_cache_access"

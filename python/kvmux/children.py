@@ -71,7 +71,8 @@ class Children:
         try:
             for spec in cfg.children:
                 try:
-                    child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)
+                    # vLLM (>= 0.32) types it required; kvmux passes on the None it got.
+                    child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)  # type: ignore[arg-type]
                 except KvmuxConfigError as e:
                     # A child's own settings are wrong: still a config error
                     # (naming the key and the fix), now naming the child.

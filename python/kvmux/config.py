@@ -24,6 +24,7 @@ from kvmux.errors import KvmuxConfigError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["BreakerSpec", "ChildSpec", "MuxConfig", "parse_mux_config"]
@@ -119,7 +120,7 @@ class ChildSpec:
     """Unique display name: the child's ``name`` if given, else its class name
     (with ``#index`` when the class repeats or a given name takes it)."""
     transfer_config: KVTransferConfig
-    cls: type
+    cls: type[KVConnectorBase_V1]
     supports_hma: bool
     lookup_timeout_ms: float | None = None
     """How long the child may answer a lookup "not ready" (None: no limit)."""
@@ -179,7 +180,7 @@ class _RawChild:
     cls_name: str
     name: str | None
     transfer_config: KVTransferConfig
-    cls: type
+    cls: type[KVConnectorBase_V1]
     lookup_timeout_ms: float | None
     breaker: BreakerSpec | None
     loads_spans: bool

@@ -116,7 +116,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # vLLM (>= 0.32) always passes one and types it so; kvmux passes on None too.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         cfg = parse_mux_config(self._kv_transfer_config)
         named = parent_name_problems(self._kv_transfer_config, cfg, vllm_config)
         if named:
@@ -274,7 +275,8 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
 
             access = _versions.KVCacheAccess.IN_PROCESS
             for spec in _children_or_none(kv_transfer_config):
-                access |= KVConnectorFactory.kv_cache_access(spec.transfer_config)
+                # vLLM 0.34's classmethod: unknown to mypy over an older vLLM.
+                access |= KVConnectorFactory.kv_cache_access(spec.transfer_config)  # type: ignore[attr-defined, unused-ignore]
             return access
 
     if _versions.HAS_LOOKAHEAD_HASHES:

@@ -152,8 +152,8 @@ def parent_name_problems(
             f"{MULTI_FIX}"
         )
 
-    uses_pool = getattr(type(ktc), "uses_custom_mem_pool", None)
-    if uses_pool is not None and multi.uses_custom_mem_pool() and not ktc.uses_custom_mem_pool():
+    uses_pool = getattr(type(ktc), "uses_custom_mem_pool", None)  # vLLM 0.34's method
+    if uses_pool is not None and uses_pool(multi) and not uses_pool(ktc):
         pooled = [
             s.name
             for s in cfg.children

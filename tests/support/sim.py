@@ -208,7 +208,7 @@ def fake_model_output(
     req_ids = list(sched_out.num_scheduled_tokens)
     # vLLM 0.34 reads a request's row from its position in req_ids; 0.32 and
     # 0.33 from req_id_to_index.
-    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+    index: dict[str, Any] = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
     return ModelRunnerOutput(
         req_ids=req_ids,
         **(index if _versions.HAS_REQ_ID_TO_INDEX else {}),
@@ -282,11 +282,12 @@ class SchedulerSim:
         self.vllm_config = vllm_config(ktc, **cfg)
         self.vllm_config.parallel_config.tensor_parallel_size = workers
         self.scheduler = make_scheduler(self.vllm_config, num_blocks)
-        self.connector = self.scheduler.connector
-        self.workers = [
-            type(self.connector)(
-                self.vllm_config, KVConnectorRole.WORKER, kv_cache_config(num_blocks)
-            )
+        # Any: whichever connector the config names; the benches read its
+        # own attributes (kvmux's children and mux_stats, sub_connectors).
+        self.connector: Any = self.scheduler.connector
+        connector_cls: Any = type(self.connector)  # each worker's, the same class
+        self.workers: list[Any] = [
+            connector_cls(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config(num_blocks))
             for _ in range(workers)
         ]
         # Real CPU tensors as the paged KV cache, in vLLM 0.33's standard
@@ -339,11 +340,13 @@ class SchedulerSim:
     def step(self) -> Any:
         so = self.scheduler.schedule()
         writes = self._kv_writes(so)
-        outputs = [
+        outputs: list[ModelRunnerOutput | None] = [
             self._run_worker(w, kv, so, writes)
             for w, kv in zip(self.workers, self.worker_kv_caches, strict=True)
         ]
         merged = self.aggregator.aggregate(outputs)
+        if merged is None:  # vLLM's answer when worker 0 returned none; ours always do
+            raise RuntimeError("vLLM's KVOutputAggregator merged no model runner output")
         self._discard_partial_prefills(merged)
         sending = (
             merged.kv_connector_output.finished_sending if merged.kv_connector_output else None

@@ -418,7 +418,8 @@ def vllm_bench(url: str, model: str, work: ServeWorkload, log: Path) -> dict[str
     from vllm.benchmarks import serve as vb
 
     parser = argparse.ArgumentParser()
-    vb.add_cli_args(parser)
+    # vLLM types it FlexibleArgumentParser; it only adds arguments to a plain one.
+    vb.add_cli_args(parser)  # type: ignore[arg-type]
     argv = [
         "--backend", "openai",
         "--base-url", url,

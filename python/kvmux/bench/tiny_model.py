@@ -119,8 +119,10 @@ def _build(path: Path, shape: dict[str, int] | None = None) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fast = train_tokenizer(path)
+    # Any: LlamaConfig's keywords are of many types, these ints among them.
+    sizes: dict[str, Any] = LLAMA if shape is None else shape
     cfg = LlamaConfig(
-        **(LLAMA if shape is None else shape),
+        **sizes,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
@@ -129,7 +131,9 @@ def _build(path: Path, shape: dict[str, int] | None = None) -> None:
         initializer_range=0.2,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    # Through the class: typeshed's functools.wraps (which PreTrainedModel.to
+    # uses) types no binding to an instance, so model.to(...) does not check.
+    model = LlamaForCausalLM.to(LlamaForCausalLM(cfg), torch.float32)
     model.save_pretrained(path)
 
 

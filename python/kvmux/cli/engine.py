@@ -217,7 +217,10 @@ def run_pass(
         extra_args={"kv_transfer_params": dict(ask)} if ask else None,
     )
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    # Checked as Python 3.10, where mypy finds no typing.NotRequired (vLLM >= 0.33
+    # needs 3.11) and so takes every optional key of vLLM's TokensPrompt as required.
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # type: ignore[typeddict-item]
+    outs = llm.generate(batch, params, use_tqdm=False)
     res = PassResult(seconds=time.perf_counter() - t0)
     for out in outs:
         res.token_ids.append(list(out.outputs[0].token_ids))

@@ -88,7 +88,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "FleetReport",
@@ -213,7 +213,7 @@ class FleetReport:
 class _RaisingParser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise InstanceFileError(message)
 
 
@@ -226,7 +226,7 @@ def _vllm_parser() -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class Parser(FlexibleArgumentParser):
-        def error(self, message: str) -> Any:  # type: ignore[override]
+        def error(self, message: str) -> NoReturn:
             raise InstanceFileError(message)
 
     # The parser's defaults build vLLM's config classes, and DeviceConfig
@@ -238,7 +238,8 @@ def _vllm_parser() -> argparse.ArgumentParser:
     if borrowed:
         from vllm.platforms.cpu import CpuPlatform
 
-        platforms._current_platform = CpuPlatform()
+        # vLLM leaves _current_platform unannotated (`= None`): typed None.
+        platforms._current_platform = CpuPlatform()  # type: ignore[assignment]
     try:
         return make_arg_parser(Parser(prog="vllm serve"))
     finally:

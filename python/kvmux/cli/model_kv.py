@@ -88,7 +88,8 @@ def read_model_kv(path: str | Path) -> ModelKV:
     cfg = json.loads(cfg_file.read_text())
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_file} is not a JSON object")
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    inner = cfg.get("text_config")
+    text: dict[str, Any] = inner if isinstance(inner, dict) else cfg
     arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown model")])[0]
     n = text.get("num_hidden_layers")
     if not isinstance(n, int) or n < 1:

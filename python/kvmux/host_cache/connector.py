@@ -16,6 +16,7 @@ HMA on for it, alone or under ``MultiConnector`` with other HMA children.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -63,7 +64,8 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # vLLM (>= 0.32) always passes one and types it so; None is refused below.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         cfg = parse_host_cache_config(self._kv_transfer_config.kv_connector_extra_config)
         if kv_cache_config is None:
             raise KvmuxConfigError(
@@ -188,13 +190,13 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool:
         return self.scheduler.reset()
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> Sequence[KVCacheEvent]:
         """``BlockStored`` for the blocks the tier now holds and
         ``BlockRemoved`` for those it evicted or dropped, ``medium="CPU"``,
         when vLLM's KV cache events are on (see ``events.py``)."""
         return self.scheduler.take_events()
 
-    def _no_events(self) -> tuple[()]:
+    def _no_events(self) -> Sequence[KVCacheEvent]:
         return ()
 
     def num_live_requests(self) -> int:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
@@ -204,13 +205,15 @@ class HostEvents:
         first = run[0]
         spec = self.groups[first.group] if first.group < len(self.groups) else GroupSpec()
         # vLLM 0.34's field, set under lookahead hashes only (0.33 has none).
-        ahead = (
+        ahead: dict[str, Any] = (
             {"lookahead_token_ids": [list(b.lookahead) for b in run]} if self.hash_lookahead else {}
         )
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(b.key) for b in run],
+            block_hashes=[maybe_convert_block_hash(BlockHash(b.key)) for b in run],
             parent_block_hash=(
-                maybe_convert_block_hash(first.parent) if first.parent is not None else None
+                maybe_convert_block_hash(BlockHash(first.parent))
+                if first.parent is not None
+                else None
             ),
             token_ids=[t for b in run for t in b.token_ids],
             block_size=self.block_size,
@@ -229,7 +232,7 @@ class HostEvents:
         for g, keys in by_group.items():
             self._queue.append(
                 BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(k) for k in keys],
+                    block_hashes=[maybe_convert_block_hash(BlockHash(k)) for k in keys],
                     medium=MEDIUM_CPU,
                     group_idx=g,
                     locality=LOCALITY,

@@ -149,7 +149,7 @@ class HostCacheScheduler:
         vLLM's block hashes (sliced, not copied whole, when a range is
         asked), else (no lookahead hashes) the chained token hash computed
         in Rust. Under lookahead hashes, only the blocks vLLM hashed."""
-        hashes = request.block_hashes
+        hashes: Sequence[bytes] = request.block_hashes
         if not hashes and not self.hash_lookahead:
             salt = (getattr(request, "cache_salt", None) or "").encode("utf-8", "surrogatepass")
             hashes = chain_token_hashes(list(request.all_token_ids), self.block_size, salt)

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
 
+_np: ModuleType | None
 try:  # vLLM requires NumPy; the host tier only copies faster with it
     import numpy as _np
 except ImportError:  # pragma: no cover
@@ -248,7 +250,8 @@ class HostPool:
         if not runs:
             return Transfer(0)
         nbytes = self.group_block_bytes[group] * len(blocks)
-        if not self.is_cuda:
+        stream = self._stream
+        if stream is None:  # not CUDA
             idx = self._idx(blocks)
             for layer in layers:
                 if layer.block_dim == 0 and len(runs) == 1:
@@ -258,7 +261,6 @@ class HostPool:
                 else:
                     self._to_host_runs(layer, layer.gather(idx), runs)
             return Transfer(nbytes)
-        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         keep: list[torch.Tensor] = []
         with torch.cuda.stream(stream):
@@ -290,7 +292,8 @@ class HostPool:
         if not runs:
             return Transfer(0)
         nbytes = self.group_block_bytes[group] * len(blocks)
-        if not self.is_cuda:
+        stream = self._stream
+        if stream is None:  # not CUDA
             idx = self._idx(blocks)
             sidx = None if len(runs) == 1 else torch.tensor(slots, dtype=torch.long)
             for layer in layers:
@@ -301,7 +304,6 @@ class HostPool:
                     src = layer.host.index_select(0, sidx)
                 layer.scatter(idx, src)
             return Transfer(nbytes)
-        stream = self._stream
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         keep: list[torch.Tensor] = []

@@ -217,6 +217,6 @@ class HostCacheWorker:
         return len(bad)
 
     def shutdown(self) -> None:
-        for transfer, _ in self._saves + self._loads:  # type: ignore[operator]
+        for transfer, _ in self._saves + self._loads:
             transfer.wait()
         self._poll()
