@@ -6,7 +6,7 @@
 # machine (first run: ~15 minutes on 2 cores, then cached).
 #
 #   scripts/test.sh [--fast] [extra pytest args, given to every pytest run]
-#   scripts/test.sh --fast          # the inner loop: Rust, lint, types and the
+#   scripts/test.sh --fast          # the inner loop: Rust, lint, types (mypy) and the
 #                                   # scheduler-level suite on vLLM 0.33 only
 #   KVMUX_E2E=0 scripts/test.sh     # skip the end-to-end suite
 # .ci/run runs everything (no --fast).
@@ -34,6 +34,9 @@ venv=$(scripts/env.sh vllm-0.33)
 echo "== Python: ruff"
 "$venv/bin/ruff" check python tests benches
 "$venv/bin/ruff" format --check python tests benches
+
+echo "== Python: mypy (python/kvmux, [tool.mypy] in pyproject.toml; vLLM 0.33's types)"
+"$venv/bin/mypy"
 
 # pytest exit status 5 ("no tests collected") counts as a failure.
 run_pytest() {
