@@ -68,6 +68,22 @@ pub struct Lookup {
     pub chosen: Option<usize>,
 }
 
+/// The span rule under [`LoadPolicy::Compose`]: the children's spans (in
+/// config order) are consecutive, so a load of `total` tokens, fewer than
+/// they sum to (vLLM allocated less, or part of a load failed), takes them
+/// from the front and cuts them from the end. Each child's share, in order;
+/// the shares sum to `min(total, sum of spans)`. The one owner of the cut:
+/// what each child is told, what it is credited and what it counts under
+/// vLLM's hits-by-source split all come from here.
+pub fn cut_spans(spans: impl IntoIterator<Item = u64>, total: u64) -> impl Iterator<Item = u64> {
+    let mut left = total;
+    spans.into_iter().map(move |t| {
+        let share = t.min(left);
+        left -= share;
+        share
+    })
+}
+
 /// Pick the loading child among ready answers. With [`LoadPolicy::Compose`]
 /// the answers are consecutive spans: every child with tokens loads its
 /// own, the first of them is `chosen`, and the load is asynchronous when
@@ -497,6 +513,17 @@ mod tests {
                 chosen: Some(1)
             }
         );
+    }
+
+    #[test]
+    fn spans_are_cut_from_the_end_to_the_load() {
+        let cut =
+            |spans: &[u64], total| cut_spans(spans.iter().copied(), total).collect::<Vec<_>>();
+        assert_eq!(cut(&[32, 16, 64], 112), vec![32, 16, 64]);
+        assert_eq!(cut(&[32, 16, 64], 40), vec![32, 8, 0]);
+        assert_eq!(cut(&[32, 16, 64], 0), vec![0, 0, 0]);
+        // More than the spans: each keeps its own (the chosen child loads the rest).
+        assert_eq!(cut(&[32, 0, 16], 100), vec![32, 0, 16]);
     }
 
     #[test]

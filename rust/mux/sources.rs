@@ -12,7 +12,7 @@
 //! `CacheHitSource` values as strings.
 
 use super::SchedulerMux;
-use crate::mux::requests::LoadPolicy;
+use crate::mux::requests::{cut_spans, LoadPolicy};
 
 /// Child `i` supplied `tokens` of a load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,8 +33,8 @@ impl SchedulerMux {
         let mut left = num_external;
         if self.load == LoadPolicy::Compose {
             self.table.with(req_id, |r| {
-                for (child, &(t, _)) in r.spans.iter().flat_map(|s| s.iter()).enumerate() {
-                    let tokens = t.min(left);
+                let spans = r.spans.iter().flat_map(|s| s.iter()).map(|&(t, _)| t);
+                for (child, tokens) in cut_spans(spans, left).enumerate() {
                     if tokens > 0 {
                         out.push(Span { child, tokens });
                         left -= tokens;

@@ -4,7 +4,7 @@
 use super::*;
 
 use crate::error::{ChildFault, MuxError};
-use crate::mux::requests::{LoadPolicy, RequestState};
+use crate::mux::requests::{cut_spans, LoadPolicy, RequestState};
 
 /// What the earlier admissions of a request (before a preemption, or before
 /// a failed async load was retried) credited, token by token: its first
@@ -44,10 +44,9 @@ impl SchedulerMux {
         let mut by_child = zeros(self.names.len());
         match spans {
             Some(spans) => {
-                let mut left = st.loaded_tokens;
-                for (j, &(t, _)) in spans.iter().enumerate() {
-                    by_child[j] = t.min(left);
-                    left -= by_child[j];
+                let shares = cut_spans(spans.iter().map(|&(t, _)| t), st.loaded_tokens);
+                for (j, share) in shares.enumerate() {
+                    by_child[j] = share;
                 }
             }
             None => {
@@ -102,11 +101,10 @@ impl SchedulerMux {
                         let Some(spans) = r.spans.as_deref() else {
                             return false;
                         };
-                        let mut left = num_external_tokens;
-                        for (j, &(t, a)) in spans.iter().enumerate() {
-                            given[j] = t.min(left);
-                            left -= given[j];
-                            if given[j] > 0 && a {
+                        let shares = cut_spans(spans.iter().map(|&(t, _)| t), num_external_tokens);
+                        for (j, share) in shares.enumerate() {
+                            given[j] = share;
+                            if share > 0 && spans[j].1 {
                                 async_loaders |= 1u64 << j;
                             }
                         }
