@@ -43,7 +43,7 @@ MOVED = {
 PRODUCT = [
     "kvmux/__init__.py",
     "kvmux/__main__.py",
-    "kvmux/connector.py",
+    "kvmux/mux/connector.py",
     "kvmux/host_cache/connector.py",
     "kvmux/cli/__init__.py",
     "kvmux/cli/doctor.py",

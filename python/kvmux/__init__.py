@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from kvmux.errors import KvmuxChildError, KvmuxConfigError, KvmuxParamClash
 
 if TYPE_CHECKING:
-    from kvmux.connector import KvmuxConnector
     from kvmux.host_cache.connector import KvmuxHostCache
+    from kvmux.mux.connector import KvmuxConnector
 
     MultiConnector = KvmuxConnector
 
@@ -34,11 +34,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "KvmuxConnector": ("kvmux.connector", "KvmuxConnector"),
+    "KvmuxConnector": ("kvmux.mux.connector", "KvmuxConnector"),
     "KvmuxHostCache": ("kvmux.host_cache.connector", "KvmuxHostCache"),
     # The same class under the name vLLM special-cases for child-aware HMA
     # detection: {"kv_connector": "MultiConnector", "kv_connector_module_path": "kvmux"}.
-    "MultiConnector": ("kvmux.connector", "KvmuxConnector"),
+    "MultiConnector": ("kvmux.mux.connector", "KvmuxConnector"),
 }
 
 

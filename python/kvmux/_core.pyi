@@ -51,9 +51,20 @@ def fan_out(facts: list[tuple[str, Any] | None]) -> tuple[list[int], list[Any]]:
     each child's fact (None: it lacks the hook; ``("constant", answer)``;
     ``("works", bound method)``), ``(indices of the children to call, every
     child's constant answer)``."""
+
+def check_deadline(key: str, ms: float) -> tuple[str, str] | None:
+    """None when ``ms`` is within the core's bounds for the deadline setting
+    ``key`` (``lookup_timeout_ms``, ``load_timeout_ms``), else ``(key,
+    rule)``: the rule worded for the user (``rust/mux/settings.rs``)."""
+
+def check_breaker(
+    failures: int, cooldown_ms: float, max_cooldown_ms: float
+) -> tuple[str, str] | None:
+    """None when a breaker's settings are within the core's bounds, else
+    ``(key, rule)`` of the first that is not (``rust/mux/settings.rs``)."""
 @final
 class KvmuxMetadata:
-    """Scheduler -> workers, once per step (``kvmux.metadata``; a vLLM
+    """Scheduler -> workers, once per step (``kvmux.mux.metadata``; a vLLM
     ``KVConnectorMetadata`` by registration). Read-only; pickles by value."""
 
     def __new__(

@@ -38,7 +38,7 @@ TransferResults: Any = getattr(_base, "KVConnectorTransferResults", None)
 #: vLLM 0.33 asks connectors ``supports_sleep_mode`` (a classmethod) and calls
 #: ``unregister_kv_caches`` / ``restore_kv_caches`` around sleep; vLLM 0.32
 #: has none of them. (kvmux declares every hook of either version; a child
-#: without a hook is not called for it, see kvmux.children; everything else
+#: without a hook is not called for it, see kvmux.mux.children; everything else
 #: kvmux uses is the same in 0.32 and 0.33.)
 HAS_SLEEP_MODE: bool = hasattr(_base.KVConnectorBase_V1, "supports_sleep_mode")
 
@@ -100,7 +100,7 @@ HAS_MAY_LOAD_ASYNC: bool = hasattr(_base.KVConnectorBase_V1, "may_load_async")
 #: old ones); vLLM 0.34 removed the field: a resumed request is re-sent in
 #: full among the new ones. lmcache 0.5.6's own ``LMCacheMPConnector`` still
 #: reads it on every ``build_connector_meta`` with a running request, so on
-#: 0.34 it crashes mid-serving: :mod:`kvmux.config` refuses such a child at
+#: 0.34 it crashes mid-serving: :mod:`kvmux.mux.config` refuses such a child at
 #: start-up.
 HAS_RESUMED_REQ_IDS: bool = "resumed_req_ids" in getattr(
     _sched_output.CachedRequestData, "__dataclass_fields__", {}

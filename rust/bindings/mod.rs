@@ -23,7 +23,7 @@ mod host_tier;
 mod mux;
 
 use host_tier::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
-use mux::{fan_out, PyKvmuxMetadata, PySchedulerMux, PyWorkerMux};
+use mux::{check_breaker, check_deadline, fan_out, PyKvmuxMetadata, PySchedulerMux, PyWorkerMux};
 
 // ------------------------------------------------------------------- keys
 
@@ -120,6 +120,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWorkerMux>()?;
     m.add_class::<PyKvmuxMetadata>()?;
     m.add_function(wrap_pyfunction!(fan_out, m)?)?;
+    m.add_function(wrap_pyfunction!(check_deadline, m)?)?;
+    m.add_function(wrap_pyfunction!(check_breaker, m)?)?;
     m.add("SCHEDULER_HOOKS", crate::mux::hook::SCHEDULER.to_vec())?;
     m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
     m.add_class::<PyHostIndex>()?;

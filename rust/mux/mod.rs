@@ -49,6 +49,7 @@ pub mod notice;
 pub mod plan;
 pub mod requests;
 mod scheduler;
+pub mod settings;
 mod sources;
 pub mod stats;
 mod worker;

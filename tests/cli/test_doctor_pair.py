@@ -28,7 +28,7 @@ FILES = {
 
 def mux(name: str, *children: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
     """kvmux over ``children``; ``role``, the top-level ``kv_role``, must
-    agree with the children's on vLLM 0.34 (``kvmux.parent_name``)."""
+    agree with the children's on vLLM 0.34 (``kvmux.mux.parent_name``)."""
     return {
         "kv_connector": name,
         "kv_connector_module_path": "kvmux",

@@ -14,7 +14,7 @@ import pytest
 from vllm.config import KVTransferConfig
 
 from kvmux.cli.doctor import diagnose
-from kvmux.config import lmcache_refusal
+from kvmux.mux.config import lmcache_refusal
 from tests.mux.test_lmcache import (
     ASK,
     PREFIX,

@@ -32,16 +32,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
 )
 from vllm.v1.request import Request
 
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxHostCache, _versions
-from kvmux._fanout import constant_answer
 from kvmux.host_cache.metadata import HostCacheMetadata, SaveJob
 from kvmux.host_cache.worker import HostCacheWorker
+from kvmux.mux._fanout import constant_answer
 from tests.support import harness, sim
 from tests.support.harness import (
     BLOCK_SIZE,
@@ -362,26 +359,6 @@ def _page_bytes(block_size: int) -> int:
     ).page_size_bytes
 
 
-def _kv_cache_config(block_size: int, num_blocks: int = 32) -> KVCacheConfig:
-    layers = layer_names()
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
-    )
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * num_blocks * len(layers),
-                layers=layers,
-                layer_stride=page * num_blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-
-
 @pytest.mark.parametrize("capacity_gib", [0.01, 0.3])
 def test_capacity_gib_in_slots_at_vllm_034s_default_block_size_64(capacity_gib):
     """vLLM 0.34's GPU default block is 64 tokens (16 before): a slot holds
@@ -392,7 +369,7 @@ def test_capacity_gib_in_slots_at_vllm_034s_default_block_size_64(capacity_gib):
         cfg = vllm_config(host_cache(capacity_gib=capacity_gib))
         cfg.cache_config.block_size = bs
         tiers[bs] = {
-            role: KvmuxHostCache(cfg, role, _kv_cache_config(bs))
+            role: KvmuxHostCache(cfg, role, sim.kv_cache_config(32, block_size=bs))
             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
         }
     slot16 = tiers[16][SCHED].layout.slot_bytes

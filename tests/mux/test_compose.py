@@ -11,7 +11,7 @@ import pytest
 
 from kvmux import KvmuxConfigError
 from kvmux._core import BY_CHILD_KEY, LOCAL_KEY
-from kvmux.config import parse_mux_config
+from kvmux.mux.config import parse_mux_config
 from tests.mux.test_lmcache import (  # noqa: F401 (make_sim: a fixture)
     HOST,
     LM,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvmux._core import CHILD_COUNTERS, TOTAL_COUNTERS
-from kvmux.stats import (
+from kvmux.mux.stats import (
     CHILD_METRICS,
     CLASHES,
     FOLDED_INTO_CLASHES,
@@ -33,7 +33,7 @@ MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers"}
 
 def expected_interval_totals() -> list[str]:
     """The core's totals with the clash fold applied, written out here on
-    its own so that the fold in ``kvmux.stats`` is checked, not trusted."""
+    its own so that the fold in ``kvmux.mux.stats`` is checked, not trusted."""
     out: list[str] = []
     for name in TOTAL_COUNTERS:
         key = CLASHES if name in ("clashes_resolved", "clashes_raised") else name
@@ -51,7 +51,7 @@ def test_the_core_exports_distinct_names():
 
 def test_the_clash_fold_names_counters_the_core_has():
     assert set(FOLDED_INTO_CLASHES) <= set(TOTAL_COUNTERS), (
-        "kvmux.stats folds clash counters the core no longer has",
+        "kvmux.mux.stats folds clash counters the core no longer has",
         FOLDED_INTO_CLASHES,
         TOTAL_COUNTERS,
     )
@@ -93,7 +93,7 @@ def test_the_readme_lists_exactly_the_exported_metrics():
     documented = readme_metrics()
     exported = {f"{name}_total": label or "" for name, _, _, label in METRICS}
     assert set(documented) == set(exported), (
-        "docs/metrics.md metric table vs kvmux.stats.METRICS",
+        "docs/metrics.md metric table vs kvmux.mux.stats.METRICS",
         sorted(set(documented) ^ set(exported)),
     )
     assert documented == exported, "labels differ"

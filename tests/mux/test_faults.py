@@ -56,7 +56,7 @@ def test_a_child_raising_on_a_request_is_named_and_kvmux_forgets_the_request(h, 
 
 @pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_save", "get_finished"])
 def test_a_child_raising_in_a_worker_hook_is_named(hook):
-    from kvmux.metadata import KvmuxMetadata
+    from kvmux.mux.metadata import KvmuxMetadata
     from tests.support.scripted import ScriptedMetadata
 
     w = build([child("NoopConnector", module=NOOP), scripted(fail=hook)], role=WORKER)

@@ -14,8 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 import kvmux._core as core
-from kvmux._hooks import AnyChildHook, LayerHook, QuietHook, SchedulerHook, StatsHook
-from kvmux.connector import KvmuxConnector
+from kvmux.mux._hooks import AnyChildHook, LayerHook, QuietHook, SchedulerHook, StatsHook
+from kvmux.mux.connector import KvmuxConnector
 from tests.mux.test_stubs import STUB
 from tests.support.harness import NOOP, child, kv_cache_config, mux_config, scripted, vllm_config
 

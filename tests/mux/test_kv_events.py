@@ -28,7 +28,7 @@ from vllm.distributed.kv_events import (
     BlockStored,
 )
 
-from kvmux.events import deduplicated
+from kvmux.mux.events import deduplicated
 from tests.support import sim
 from tests.support.harness import BLOCK_SIZE, KVTransferConfig, child, mux_config
 from tests.support.published import Published
@@ -250,7 +250,7 @@ def test_equal_events_of_two_children_are_both_published(events_sim):
 
 
 def test_a_childs_own_ownership_is_kept_after_its_name():
-    from kvmux.events import child_label, labelled
+    from kvmux.mux.events import child_label, labelled
 
     ev = BlockRemoved(block_hashes=[1], medium=MEDIUM_CPU, ownership="kvcr")
     assert [e.ownership for e in labelled([ev], "Offload")] == ["Offload/kvcr"]

@@ -361,7 +361,7 @@ def test_server_restarted_kvmux_recovers(own_lmcache_server, make_sim):
 def test_lmcache_stats_and_kvmux_counters_reach_vllms_stats_path(lmcache_server, make_sim):
     """What vLLM's stat loggers receive, rebuilt and summed over the run:
     LMCache's own stats under its child name beside kvmux's counters."""
-    from kvmux.stats import KvmuxStats
+    from kvmux.mux.stats import KvmuxStats
 
     d = make_sim([lmcache_server.child(), host_child()])
     store_prefix(d)

@@ -27,7 +27,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConfigError, KvmuxConnector, _versions
-from kvmux.config import parse_mux_config
+from kvmux.mux.config import parse_mux_config
 from tests.support import harness
 from tests.support.harness import mux_config, scripted
 

@@ -12,7 +12,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvmux import KvmuxConfigError, KvmuxConnector
-from kvmux.config import parse_mux_config
+from kvmux.mux.config import parse_mux_config
 from tests.support.harness import mux_config, scripted
 
 PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks

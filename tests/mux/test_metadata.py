@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from kvmux.metadata import KvmuxMetadata
+from kvmux.mux.metadata import KvmuxMetadata
 from tests.support.harness import NOOP, child, kv_cache_config, mux_config, scripted, vllm_config
 
 

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvmux import KvmuxConnector
-from kvmux.stats import METRICS, KvmuxStats
+from kvmux.mux.stats import METRICS, KvmuxStats
 from tests.support.harness import mux_config, scripted
 
 PREFIX = list(range(300, 348))  # 3 blocks

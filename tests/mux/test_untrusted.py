@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux import KvmuxConfigError, KvmuxConnector, KvmuxHostCache
 from kvmux._core import BY_CHILD_KEY, LOCAL_KEY, HostIndex
-from kvmux.config import parse_mux_config
+from kvmux.mux.config import parse_mux_config
 from tests.host_tier.test_host_cache import PREFIX, host_cache, host_child
 from tests.support.harness import mux_config, scripted
 from tests.support.scripted import ScriptedConnector

@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux import KvmuxConfigError, KvmuxConnector, _versions
-from kvmux.config import parse_mux_config
-from kvmux.parent_name import as_multiconnector, parent_name_problems
+from kvmux.mux.config import parse_mux_config
+from kvmux.mux.parent_name import as_multiconnector, parent_name_problems
 from tests.support.harness import (
     child,
     kv_cache_config,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvmux.bench.lmcache import HOST, LMCacheServer, free_port
-from kvmux.config import lmcache_refusal
+from kvmux.mux.config import lmcache_refusal
 
 __all__ = [
     "HOST",
@@ -75,7 +75,7 @@ def lmcache_runs() -> None:
 def skip_unless_lmcache_runs() -> None:
     """:func:`lmcache_runs` for a module- or session-scoped fixture."""
     _require_lmcache()
-    why = lmcache_refusal()  # kvmux.config's, cached
+    why = lmcache_refusal()  # kvmux.mux.config's, cached
     if why is not None:
         pytest.skip(f"LMCache cannot serve on this vLLM; kvmux refuses it at start-up: {why}")
 

@@ -63,7 +63,7 @@ def refused() -> str | None:
 
     if _versions.HAS_RESUMED_REQ_IDS:
         return None
-    from kvmux.config import lmcache_refusal
+    from kvmux.mux.config import lmcache_refusal
 
     why = lmcache_refusal()
     return None if why is None else f"kvmux refuses LMCache on this vLLM at start-up: {why}"

@@ -68,10 +68,10 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvmux.config import HMA_FIX, known_crash, parse_mux_config
-    from kvmux.connector import KvmuxConnector
     from kvmux.errors import KvmuxConfigError
-    from kvmux.parent_name import parent_name_problems
+    from kvmux.mux.config import HMA_FIX, known_crash, parse_mux_config
+    from kvmux.mux.connector import KvmuxConnector
+    from kvmux.mux.parent_name import parent_name_problems
 
     rep = Report()
     if not isinstance(raw, dict):
@@ -171,7 +171,7 @@ def hit_source(cls: type) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     from kvmux import _versions
-    from kvmux.scheduler import own_source
+    from kvmux.mux.scheduler import own_source
 
     if not _versions.HAS_HIT_SOURCES:
         return "no source (this vLLM does not split external hits by source; vLLM 0.32 and 0.33 do)"

@@ -157,7 +157,7 @@ def _print(rep: Report, head: str) -> None:
         load_deadline = c.get("load_timeout_ms")
         if load_deadline is not None:
             late += f", a load failed after {load_deadline:g} ms unfinished"
-        from kvmux.config import DEFAULT_BREAKER
+        from kvmux.mux.config import DEFAULT_BREAKER
 
         b = c.get("breaker")
         breaker = (

@@ -97,8 +97,8 @@ def describe_side(label: str, raw: Mapping[str, Any], disable_hma: bool = False)
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvmux.config import parse_mux_config
-    from kvmux.connector import KvmuxConnector
+    from kvmux.mux.config import parse_mux_config
+    from kvmux.mux.connector import KvmuxConnector
 
     ktc = KVTransferConfig(**raw)
     cls = KVConnectorFactory.get_connector_class(ktc)
@@ -133,7 +133,7 @@ def _decide_hma(side: Side, ktc: Any, cls: type, lacking: list[str], disable: bo
     """vLLM's decision (``VllmConfig``), made before the connector is built."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvmux.connector import KvmuxConnector
+    from kvmux.mux.connector import KvmuxConnector
 
     if disable:
         side.hma_on = False

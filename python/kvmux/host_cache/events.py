@@ -19,7 +19,7 @@ a CPU block with the GPU block of the same tokens (under vLLM 0.34's
 lookahead hashes, as vLLM's own events do: extra keys over the block and
 its lookahead tokens, and those tokens as ``lookahead_token_ids``). Under
 ``KvmuxConnector`` each event's ``ownership`` also names the child
-(``kvmux.events``).
+(``kvmux.mux.events``).
 
 What happens to the blocks the Rust index reports itself, as events
 (``HostIndex.take_events``: stored, aborted, evicted, dropped, each with its

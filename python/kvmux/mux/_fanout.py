@@ -2,7 +2,7 @@
 
 A child whose hook only returns a constant (vLLM's base-class defaults,
 ``pass``, ``return 0, False``) has no effect when called and always gives
-the same answer, so :class:`kvmux.children.Children` does not call it (see
+the same answer, so :class:`kvmux.mux.children.Children` does not call it (see
 :func:`constant_answer`). On the per-layer path, :func:`layer_hook` binds
 the connector's hook to the one child that does something, with no wrapper
 frame at all.

@@ -1,6 +1,6 @@
 """How a connector hook is resolved to the object that runs it.
 
-The hot hooks of :class:`~kvmux.connector.KvmuxConnector` have no Python
+The hot hooks of :class:`~kvmux.mux.connector.KvmuxConnector` have no Python
 body of kvmux's: a scheduler hook is the Rust ``SchedulerMux``'s method of
 the same name (vLLM's call goes straight into Rust), and a per-layer hook is
 the one child's bound method that does something. Each is declared on the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmux.errors import KvmuxChildError
-from kvmux.stats import build_child_stats
+from kvmux.mux.stats import build_child_stats
 
 __all__ = [
     "AnyChildHook",
@@ -70,7 +70,7 @@ class StatsHook(_ResolvedHook):
     """``get_kv_connector_stats``, on either side. On the scheduler: the
     Rust ``SchedulerMux``'s answer (None when it has nothing to report,
     else the children's stats and kvmux's counters as data) made into
-    ``KvmuxStats`` by ``kvmux.stats.build_child_stats``, in one function
+    ``KvmuxStats`` by ``kvmux.mux.stats.build_child_stats``, in one function
     that holds both (no attribute read of the connector per step). On a
     worker: the worker's method."""
 
@@ -90,7 +90,7 @@ class StatsHook(_ResolvedHook):
 class LayerHook(_ResolvedHook):
     """A per-layer worker hook: only the children whose hook does something
     are called, a single one directly, with no wrapper frame
-    (:func:`kvmux._fanout.layer_hook`). On that path a child's exception
+    (:func:`kvmux.mux._fanout.layer_hook`). On that path a child's exception
     reaches vLLM as the child raised it, not as ``KvmuxChildError``: naming
     it would cost a frame per layer per step."""
 

@@ -4,7 +4,7 @@
 role of their parent), their names, and for every hook the *facts* of each
 child's: it lacks the hook, the hook only returns a constant (vLLM's
 base-class defaults, ``pass``, ``return 0, False``: see
-:func:`kvmux._fanout.constant_answer`), or it does something. Who is called
+:func:`kvmux.mux._fanout.constant_answer`), or it does something. Who is called
 is the core's rule (``rust/mux/plan.rs``): the Rust multiplexer takes the
 facts of its hooks, and :meth:`Children.plan` asks the same rule
 (``_core.fan_out``) for the hooks kvmux calls from Python.
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import fan_out
-from kvmux._fanout import constant_answer, layer_hook
-from kvmux.config import MuxConfig
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
-from kvmux.events import KvmuxKVEvents, deduplicated, labelled, own_worker_events
+from kvmux.mux._fanout import constant_answer, layer_hook
+from kvmux.mux.config import MuxConfig
+from kvmux.mux.events import KvmuxKVEvents, deduplicated, labelled, own_worker_events
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,7 +103,7 @@ class Children:
         """What kvmux knows of each child's ``hook``, in config order (see
         :data:`Fact`); a child's ``update_connector_output`` sees its own
         events container when children send KV events from their workers
-        (:func:`kvmux.events.own_worker_events`)."""
+        (:func:`kvmux.mux.events.own_worker_events`)."""
         out: list[Fact] = []
         for child in self.connectors:
             fn = getattr(child, hook, None)
@@ -146,7 +146,7 @@ class Children:
 
     def layer_hook(self, hook: str) -> Callable[..., None]:
         """The fastest callable for a per-layer hook (see
-        :func:`kvmux._fanout.layer_hook`)."""
+        :func:`kvmux.mux._fanout.layer_hook`)."""
         return layer_hook(self.connectors, hook)
 
     # ------------------------------------------------------------- calls
@@ -248,7 +248,7 @@ class Children:
     def take_events(self) -> list[Any]:
         """Scheduler side: every child's KV cache events of the step, in
         config order, each labelled with its child's name, repeats that say
-        nothing new dropped (:mod:`kvmux.events`)."""
+        nothing new dropped (:mod:`kvmux.mux.events`)."""
         out: list[Any] = []
         for name, events in zip(self.names, self.call("take_events"), strict=True):
             if events:

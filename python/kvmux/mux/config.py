@@ -13,12 +13,19 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import math
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvmux._core import CLASH_POLICIES, LOAD_POLICIES, MAX_CHILDREN
+from kvmux._core import (
+    CLASH_POLICIES,
+    LOAD_POLICIES,
+    MAX_CHILDREN,
+    check_breaker,
+    check_deadline,
+)
 from kvmux.errors import KvmuxConfigError
 
 if TYPE_CHECKING:
@@ -47,16 +54,15 @@ BREAKER_KEYS = (BREAKER_FAILURES_KEY, BREAKER_COOLDOWN_KEY, BREAKER_MAX_COOLDOWN
 DEFAULT_BREAKER_FAILURES = 3
 DEFAULT_BREAKER_COOLDOWN_MS = 1000.0
 DEFAULT_BREAKER_MAX_COOLDOWN_MS = 30000.0
-#: Bounds of the breaker settings (the core counts failures in a u32; a
-#: cooldown under a millisecond is no cooldown).
-MAX_BREAKER_FAILURES = (1 << 32) - 1
-MIN_COOLDOWN_MS = 1.0
+#: The bounds of the deadline and breaker settings are the core's
+#: (``rust/mux/settings.rs``: ``_core.check_deadline``, ``_core.check_breaker``);
+#: this module checks types and defaults, and words the refusal.
 #: Display names kvmux's own reports already use: vLLM's prefix cache in
 #: ``cached_tokens_by_child``, and kvmux itself in clash errors.
 RESERVED_NAMES = ("local_prefix_cache", "kvmux")
 #: Tells vLLM that a child allocates the KV cache from its own memory pool
 #: (vLLM 0.34 reads it only at the top level under a name other than
-#: ``MultiConnector``: see :mod:`kvmux.parent_name`); kvmux only passes it on.
+#: ``MultiConnector``: see :mod:`kvmux.mux.parent_name`); kvmux only passes it on.
 CUSTOM_MEM_POOL_KEY = "custom_mem_pool"
 ALLOWED_KEYS = (
     "connectors",
@@ -202,17 +208,33 @@ def _timeout(
 ) -> float | None:
     """``key`` (``lookup_timeout_ms`` or ``load_timeout_ms``) of ``raw``
     (None when absent); a problem when it is not a number of milliseconds
-    > 0."""
+    within the core's bounds."""
     value = raw.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+    # A value of the wrong type stands in as one out of bounds (same rule).
+    bad = check_deadline(key, _ms(value))
+    if bad is not None:
         problems.append(
             f"{where}{key}={value!r} is not valid; set it to the milliseconds "
-            f"{_TIMEOUT_MEANS[key]}, or leave it out for no deadline"
+            f"{_TIMEOUT_MEANS[key]}: {bad[1]}; or leave it out for no deadline"
         )
         return None
-    return float(value)
+    return _ms(value)
+
+
+#: What each breaker key means (for the refusal's fix).
+_BREAKER_MEANS = {
+    BREAKER_FAILURES_KEY: "how many consecutive failed lookups (deadline missed, or raised) "
+    f"open the child's breaker (default {DEFAULT_BREAKER_FAILURES}; null: no breaker)",
+    BREAKER_COOLDOWN_KEY: "how long an open breaker waits before it lets one lookup probe "
+    f"the child (default {DEFAULT_BREAKER_COOLDOWN_MS:g})",
+    BREAKER_MAX_COOLDOWN_KEY: "the longest cooldown, which each failed probe doubles toward "
+    f"(default {DEFAULT_BREAKER_MAX_COOLDOWN_MS:g})",
+}
+
+#: Python ints beyond the core's u64 are out of bounds anyway: passed clamped.
+_U64_MAX = (1 << 64) - 1
 
 
 def _breaker(
@@ -228,50 +250,54 @@ def _breaker(
     base = default or BreakerSpec()
     # Inherited when absent: a breaker turned off stays off.
     failures = raw.get(BREAKER_FAILURES_KEY, default and default.failures)
-    if failures is not None and (
-        isinstance(failures, bool)
-        or not isinstance(failures, int)
-        or not 1 <= failures <= MAX_BREAKER_FAILURES
-    ):
-        problems.append(
-            f"{where}{BREAKER_FAILURES_KEY}={failures!r} is not valid; set it to how many "
-            "consecutive failed lookups (deadline missed, or raised) open the child's "
-            f"breaker (an int >= 1 and at most {MAX_BREAKER_FAILURES}, default "
-            f"{DEFAULT_BREAKER_FAILURES}), or null for no breaker"
+    values = {
+        BREAKER_FAILURES_KEY: failures,
+        BREAKER_COOLDOWN_KEY: raw.get(BREAKER_COOLDOWN_KEY, base.cooldown_ms),
+        BREAKER_MAX_COOLDOWN_KEY: raw.get(BREAKER_MAX_COOLDOWN_KEY, base.max_cooldown_ms),
+    }
+    if BREAKER_MAX_COOLDOWN_KEY not in raw and _is_number(values[BREAKER_COOLDOWN_KEY]):
+        # An inherited longest cooldown follows a first one set above it.
+        values[BREAKER_MAX_COOLDOWN_KEY] = max(
+            values[BREAKER_MAX_COOLDOWN_KEY], values[BREAKER_COOLDOWN_KEY]
         )
-        return None
-    ms = {}
-    for key, have in (
-        (BREAKER_COOLDOWN_KEY, base.cooldown_ms),
-        (BREAKER_MAX_COOLDOWN_KEY, base.max_cooldown_ms),
-    ):
-        value = raw.get(key, have)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not MIN_COOLDOWN_MS <= value < 1e9
-        ):
-            problems.append(
-                f"{where}{key}={value!r} is not valid; set it to a number of milliseconds > 0 "
-                f"(at least {MIN_COOLDOWN_MS:g}, below 1e9; defaults: {BREAKER_COOLDOWN_KEY} "
-                f"{DEFAULT_BREAKER_COOLDOWN_MS:g}, "
-                f"{BREAKER_MAX_COOLDOWN_KEY} {DEFAULT_BREAKER_MAX_COOLDOWN_MS:g})"
-            )
-            return None
-        ms[key] = float(value)
-    cooldown, longest = ms[BREAKER_COOLDOWN_KEY], ms[BREAKER_MAX_COOLDOWN_KEY]
-    if BREAKER_MAX_COOLDOWN_KEY not in raw:
-        longest = max(longest, cooldown)
-    if longest < cooldown:
+    # The core's rule decides; a value of the wrong type stands in as one
+    # out of its bounds, so its refusal names the same rule.
+    if failures is None:
+        count = 1  # no breaker: its cooldowns are still checked
+    elif isinstance(failures, bool) or not isinstance(failures, int):
+        count = 0
+    else:
+        count = min(max(failures, 0), _U64_MAX)
+    ms = {k: _ms(values[k]) for k in (BREAKER_COOLDOWN_KEY, BREAKER_MAX_COOLDOWN_KEY)}
+    bad = check_breaker(count, ms[BREAKER_COOLDOWN_KEY], ms[BREAKER_MAX_COOLDOWN_KEY])
+    if bad is not None:
+        key, rule = bad
         problems.append(
-            f"{where}{BREAKER_MAX_COOLDOWN_KEY}={longest:g} is below "
-            f"{BREAKER_COOLDOWN_KEY}={cooldown:g}; the longest cooldown must be at least "
-            "the first one"
+            f"{where}{key}={values[key]!r} is not valid; set it to {_BREAKER_MEANS[key]}: {rule}"
         )
         return None
     if failures is None:
         return None
-    return BreakerSpec(failures=failures, cooldown_ms=cooldown, max_cooldown_ms=longest)
+    return BreakerSpec(
+        failures=failures,
+        cooldown_ms=ms[BREAKER_COOLDOWN_KEY],
+        max_cooldown_ms=ms[BREAKER_MAX_COOLDOWN_KEY],
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _ms(value: Any) -> float:
+    """``value`` as the float the core checks: NaN (out of every bound) for
+    a value that is not a number, infinity for an int too large for one."""
+    if not _is_number(value):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 #: What vLLM's built-in ``LMCacheMPConnector`` (``LMCACHE_USE_UPSTREAM_MP=1``)

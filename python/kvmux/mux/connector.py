@@ -2,16 +2,16 @@
 
 The connector is a facade, as vLLM's own ``OffloadingConnector`` is: it
 builds the children for its role and then either the scheduler side
-(:class:`kvmux.scheduler.MuxScheduler`, over the Rust multiplexer that holds
+(:class:`kvmux.mux.scheduler.MuxScheduler`, over the Rust multiplexer that holds
 every live request's state) or the worker side
-(:class:`kvmux.worker.MuxWorker`). Every hook of vLLM's connector interface
+(:class:`kvmux.mux.worker.MuxWorker`). Every hook of vLLM's connector interface
 is declared below with its contract, in the order of vLLM's
 ``multi_connector.py``. The scheduler hooks the Rust multiplexer runs
 (``kvmux._core.SCHEDULER_HOOKS``) are its methods: declared here as
-:class:`~kvmux._hooks.SchedulerHook` (vLLM's call goes straight into Rust),
+:class:`~kvmux.mux._hooks.SchedulerHook` (vLLM's call goes straight into Rust),
 or, where vLLM wants a Python object back (metadata, stats), a method that
 builds it from the Rust answer. The per-layer hooks are
-:class:`~kvmux._hooks.LayerHook`: the one child that does something.
+:class:`~kvmux.mux._hooks.LayerHook`: the one child that does something.
 
 What kvmux adds over vLLM's ``MultiConnector`` (same ``connectors`` schema):
 
@@ -47,7 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmux import _versions
-from kvmux._hooks import (
+from kvmux.errors import KvmuxConfigError
+from kvmux.mux._hooks import (
     AnyChildHook,
     LayerHook,
     QuietHook,
@@ -56,15 +57,14 @@ from kvmux._hooks import (
     WrongRole,
     wrong_role,
 )
-from kvmux.children import Children
-from kvmux.config import MuxConfig, check_hma, parse_mux_config
-from kvmux.errors import KvmuxConfigError
-from kvmux.events import KvmuxKVEvents
-from kvmux.metadata import KvmuxWorkerMetadata
-from kvmux.parent_name import parent_name_problems
-from kvmux.scheduler import MuxScheduler
-from kvmux.stats import KvmuxStats
-from kvmux.worker import MuxWorker
+from kvmux.mux.children import Children
+from kvmux.mux.config import MuxConfig, check_hma, parse_mux_config
+from kvmux.mux.events import KvmuxKVEvents
+from kvmux.mux.metadata import KvmuxWorkerMetadata
+from kvmux.mux.parent_name import parent_name_problems
+from kvmux.mux.scheduler import MuxScheduler
+from kvmux.mux.stats import KvmuxStats
+from kvmux.mux.worker import MuxWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -305,7 +305,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        from kvmux.stats import KvmuxPromMetrics
+        from kvmux.mux.stats import KvmuxPromMetrics
 
         cfg = _parse_from_vllm_config(vllm_config)
         return KvmuxPromMetrics.build(
@@ -398,7 +398,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_kv_cache_events(self) -> KvmuxKVEvents | None:
         """Each child's KV events container of the step, kept apart: vLLM
         merges them across workers child by child, and each child's
-        ``update_connector_output`` gets its own (see ``kvmux.events``).
+        ``update_connector_output`` gets its own (see ``kvmux.mux.events``).
         None when no child has any."""
         return self._children.worker_events()
 
@@ -406,7 +406,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         """``() -> KvmuxStats | None``: stats of the last interval: kvmux's
         own counters and each child's, by child name (on either side; the
         scheduler's counters at most once a second and when idle, see
-        ``kvmux.scheduler.STATS_EVERY_S``)."""
+        ``kvmux.mux.scheduler.STATS_EVERY_S``)."""
     )
 
     def shutdown(self) -> None:
@@ -512,7 +512,7 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         config order, each labelled with the child it came from
         (``ownership``: the child's name, or ``name/ownership`` when the
         child set one), identical repeats with nothing between them that
-        changed their blocks dropped (see ``kvmux.events``). vLLM publishes
+        changed their blocks dropped (see ``kvmux.mux.events``). vLLM publishes
         them with its own GPU events. ``()`` when no child has events.""",
         tuple,
         "_take_events",

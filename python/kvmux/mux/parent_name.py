@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmux.config import CUSTOM_MEM_POOL_KEY
+from kvmux.mux.config import CUSTOM_MEM_POOL_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
 
-    from kvmux.config import MuxConfig
+    from kvmux.mux.config import MuxConfig
 
 __all__ = ["as_multiconnector", "parent_name_problems"]
 

@@ -1,10 +1,10 @@
-"""The scheduler side of :class:`~kvmux.connector.KvmuxConnector`.
+"""The scheduler side of :class:`~kvmux.mux.connector.KvmuxConnector`.
 
 :class:`MuxScheduler` owns the children (built for the scheduler role) and
 the Rust multiplexer (:class:`kvmux._core.SchedulerMux`) that holds every
 live request's state. vLLM's scheduler hooks named in
 ``kvmux._core.SCHEDULER_HOOKS`` are the Rust object's own methods: the
-connector resolves them there (:class:`kvmux._hooks.SchedulerHook`), so
+connector resolves them there (:class:`kvmux.mux._hooks.SchedulerHook`), so
 vLLM's call goes straight into Rust, which calls the children that matter.
 The hooks the Rust core does not run (hit sources, loaded groups) are here.
 """
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvmux._core import SCHEDULER_HOOKS, SchedulerMux
 from kvmux._versions import DEFAULT_HIT_SOURCES, CacheHitSource
-from kvmux.children import Children
-from kvmux.config import HMA_FIX, MuxConfig
+from kvmux.mux.children import Children
+from kvmux.mux.config import HMA_FIX, MuxConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,4 +1,4 @@
-"""The worker side of :class:`~kvmux.connector.KvmuxConnector`.
+"""The worker side of :class:`~kvmux.mux.connector.KvmuxConnector`.
 
 :class:`MuxWorker` owns the children (built for the worker role) and the
 completions the workers wait for, each with its child's identity (the Rust
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvmux import _versions
 from kvmux._core import WorkerMux
-from kvmux.children import Children
-from kvmux.config import MuxConfig
-from kvmux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
-from kvmux.stats import KvmuxStats, build_child_stats
+from kvmux.mux.children import Children
+from kvmux.mux.config import MuxConfig
+from kvmux.mux.metadata import KvmuxMetadata, KvmuxWorkerMetadata
+from kvmux.mux.stats import KvmuxStats, build_child_stats
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata

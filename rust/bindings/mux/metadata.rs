@@ -1,6 +1,6 @@
 //! `KvmuxMetadata`: what `SchedulerMux::build_connector_meta` hands the
 //! workers once per step, as a Python object of the bindings' own (no
-//! kvmux Python class is called to build it). `kvmux.metadata` registers it
+//! kvmux Python class is called to build it). `kvmux.mux.metadata` registers it
 //! as a vLLM `KVConnectorMetadata`; it pickles by value (`__reduce__`), as
 //! vLLM sends it to the worker processes.
 

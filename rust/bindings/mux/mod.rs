@@ -14,6 +14,7 @@ use crate::error::ChildFault;
 use crate::mux::merge::ValueEq;
 use crate::mux::plan::{Fact, Fanout};
 use crate::mux::requests::ChildMatch;
+use crate::mux::settings::{self, BadSetting, LOAD_TIMEOUT, LOOKUP_TIMEOUT};
 use crate::mux::{ChildFinish, Params};
 
 mod metadata;
@@ -190,10 +191,46 @@ pub(super) fn fanout<T>(
     Ok(Fanout::decide(facts, default))
 }
 
-/// A duration in milliseconds from Python, named for the error.
-pub(super) fn ms(what: &str, ms: f64) -> PyResult<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(ms / 1000.0)
-        .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 milliseconds, got {ms}")))
+/// A deadline setting in milliseconds from Python, by the core's bounds
+/// (`mux/settings.rs`).
+pub(super) fn deadline(key: &'static str, ms: f64) -> PyResult<std::time::Duration> {
+    settings::deadline(key, ms).map_err(bad_setting)
+}
+
+/// A setting out of bounds, as the `ValueError` a wrong config gets.
+pub(super) fn bad_setting(e: BadSetting) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// `_core.check_deadline(key, ms)`: None when `ms` is within the bounds of
+/// the deadline setting `key`, else `(key, rule)`: the start-up check
+/// words its refusal with the core's rule.
+#[pyfunction]
+pub(super) fn check_deadline(key: &str, ms: f64) -> PyResult<Option<(&'static str, String)>> {
+    let key = match key {
+        LOOKUP_TIMEOUT => LOOKUP_TIMEOUT,
+        LOAD_TIMEOUT => LOAD_TIMEOUT,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "{other:?} is not a deadline setting ({LOOKUP_TIMEOUT}, {LOAD_TIMEOUT})"
+            )))
+        }
+    };
+    Ok(settings::deadline(key, ms).err().map(|e| (e.key, e.rule)))
+}
+
+/// `_core.check_breaker(failures, cooldown_ms, max_cooldown_ms)`: None
+/// when the breaker's settings are within the core's bounds, else `(key,
+/// rule)` of the first that is not.
+#[pyfunction]
+pub(super) fn check_breaker(
+    failures: u64,
+    cooldown_ms: f64,
+    max_cooldown_ms: f64,
+) -> Option<(&'static str, String)> {
+    settings::breaker(failures, cooldown_ms, max_cooldown_ms)
+        .err()
+        .map(|e| (e.key, e.rule))
 }
 
 /// A constant Python answer, taken as it is.

@@ -18,16 +18,16 @@ use std::time::Duration;
 
 use super::super::raise;
 use super::{
-    answer, any_answer, fanout, key_str, ms, raised, request_id, str_key, to_bool, to_finish,
-    to_match, PyKvmuxMetadata, PyParams,
+    answer, any_answer, bad_setting, deadline, fanout, key_str, raised, request_id, str_key,
+    to_bool, to_finish, to_match, PyKvmuxMetadata, PyParams,
 };
 use crate::error::{ChildFault, MuxError};
-use crate::mux::breaker::BreakerConfig;
 use crate::mux::hma::Route;
 use crate::mux::merge::ClashPolicy;
 use crate::mux::notice::{fault_detail, Notice};
 use crate::mux::plan::{worker_meta_entries, Fanout};
 use crate::mux::requests::{ChildMatch, LoadPolicy};
+use crate::mux::settings::{self, LOAD_TIMEOUT, LOOKUP_TIMEOUT};
 use crate::mux::{
     hook, ChildAnswer, ChildFinish, FinishHooks, FinishedParams, SchedulerMux, Supplied, Want,
     BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY,
@@ -144,7 +144,7 @@ type ChildSettings = (
     bool,
     Option<f64>,
     Option<f64>,
-    Option<(u32, f64, f64)>,
+    Option<(u64, f64, f64)>,
 );
 
 impl PySchedulerMux {
@@ -391,7 +391,7 @@ impl PySchedulerMux {
 impl PySchedulerMux {
     /// `children`: per child `(name, supports_hma, lookup_timeout_ms,
     /// load_timeout_ms, breaker)`; `hooks`: hook name -> one fact per child
-    /// (see `kvmux.children.Children.facts`), a hook left out answered by
+    /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
     /// every child with vLLM's default; `hma_fix`: how to run a multi-group
     /// model with children that lack HMA.
     #[new]
@@ -417,18 +417,13 @@ impl PySchedulerMux {
         for (name, supports_hma, lookup_ms, load_ms, breaker) in children {
             names.push(name);
             hma.push(supports_hma);
-            deadlines.push(lookup_ms.map(|t| ms("lookup_timeout_ms", t)).transpose()?);
-            load_deadlines.push(load_ms.map(|t| ms("load_timeout_ms", t)).transpose()?);
+            deadlines.push(lookup_ms.map(|t| deadline(LOOKUP_TIMEOUT, t)).transpose()?);
+            load_deadlines.push(load_ms.map(|t| deadline(LOAD_TIMEOUT, t)).transpose()?);
             breakers.push(
                 breaker
-                    .map(|(failures, cooldown, max)| -> PyResult<BreakerConfig> {
-                        Ok(BreakerConfig {
-                            failures,
-                            cooldown: ms("breaker_cooldown_ms", cooldown)?,
-                            max_cooldown: ms("breaker_max_cooldown_ms", max)?,
-                        })
-                    })
-                    .transpose()?,
+                    .map(|(failures, cooldown, max)| settings::breaker(failures, cooldown, max))
+                    .transpose()
+                    .map_err(bad_setting)?,
             );
         }
         let core = SchedulerMux::new(names, clash, load, block_size)

@@ -7,8 +7,9 @@ use pyo3::types::{PyDict, PySet, PyString};
 
 use std::time::Instant;
 
-use super::{counters_dict, ms, str_key};
+use super::{counters_dict, deadline, str_key};
 use crate::error::MuxError;
+use crate::mux::settings::LOAD_TIMEOUT;
 use crate::mux::WorkerMux;
 
 /// The worker side of the multiplexer.
@@ -71,7 +72,7 @@ impl PyWorkerMux {
     fn new(names: Vec<String>, load_timeouts_ms: Vec<Option<f64>>) -> PyResult<Self> {
         let deadlines = load_timeouts_ms
             .into_iter()
-            .map(|t| t.map(|t| ms("load_timeout_ms", t)).transpose())
+            .map(|t| t.map(|t| deadline(LOAD_TIMEOUT, t)).transpose())
             .collect::<PyResult<Vec<_>>>()?;
         let core = WorkerMux::new(names, deadlines)
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;

@@ -162,14 +162,8 @@ impl SchedulerMux {
         breakers: Vec<Option<BreakerConfig>>,
     ) -> Result<Self, MuxError<E>> {
         self.one_per_child("breaker setting", breakers.len())?;
-        if let Some(bad) = breakers
-            .iter()
-            .flatten()
-            .find(|b| b.failures == 0 || b.cooldown.is_zero() || b.max_cooldown < b.cooldown)
-        {
-            return Err(MuxError::Config(format!(
-                "a breaker needs failures >= 1 and 0 < cooldown <= max_cooldown, got {bad:?}"
-            )));
+        for b in breakers.iter().flatten() {
+            crate::mux::settings::check_breaker(b).map_err(|e| MuxError::Config(e.to_string()))?;
         }
         self.breakers = Breakers::new(breakers);
         Ok(self)
