@@ -173,15 +173,15 @@ def test_a_save_is_readable_once_every_worker_confirmed_it():
     flight (an async save when it finishes)."""
     sched = HostCacheScheduler(BLOCK_SIZE, num_slots=8, num_workers=2)
     req = make_request("A", PREFIX + [1])
-    sched.lookup(req, 0)
+    sched.get_num_new_matched_tokens(req, 0)
     step = SimpleNamespace(num_scheduled_tokens={"A": len(PREFIX) + 1})
     blocks = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4],))
-    slots = [s for job in sched.build_meta(step, blocks).saves for s in job.slots]
+    slots = [s for job in sched.build_connector_meta(step, blocks).saves for s in job.slots]
     assert len(slots) == 3
-    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # one worker
+    sched.update_connector_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # one worker
     assert sched.index.longest_prefix(sched.keys(req)) == 0
-    assert sched.finished(req) == (True, None)
-    sched.worker_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # the other
+    assert sched.request_finished(req) == (True, None)
+    sched.update_connector_output(HostCacheWorkerMetadata(saved=Counter(slots)))  # the other
     assert sched.index.longest_prefix(sched.keys(req)) == 3
     stats = sched.take_stats()
     assert stats is not None and stats.data["stored_blocks"] == 3

@@ -449,10 +449,11 @@ def test_what_a_lookup_offers_stays_pinned_until_the_allocation_takes_it(sims):
     _run_then_forget(d, "A", PREFIX + [1], max_tokens=1)
     sched = d.host().scheduler
     b = d.add("B", PREFIX + [2])
-    assert sched.lookup(b, 0) == (5 * BLOCK_SIZE, False)
+    assert sched.get_num_new_matched_tokens(b, 0) == (5 * BLOCK_SIZE, False)
     assert d.host().index_stats()["pinned"] == 5 + WINDOW_BLOCKS
-    assert sched.reset()  # a reset_prefix_cache() in between
-    assert sched.lookup(b, 0) == (5 * BLOCK_SIZE, False)  # a re-lookup: same offer
+    assert sched.reset_cache()  # a reset_prefix_cache() in between
+    # A re-lookup: the same offer.
+    assert sched.get_num_new_matched_tokens(b, 0) == (5 * BLOCK_SIZE, False)
     assert d.host().index_stats()["pinned"] == 5 + WINDOW_BLOCKS
     d.run()
     assert b.num_computed_tokens > 0 and d.finished.keys() >= {"B"}
@@ -464,7 +465,7 @@ def test_a_lookup_never_allocated_releases_its_pins_when_the_request_ends(sims):
     _run_then_forget(d, "A", PREFIX + [1], max_tokens=1)
     sched = d.host().scheduler
     b = d.add("B", PREFIX + [2])
-    sched.lookup(b, 0)
+    sched.get_num_new_matched_tokens(b, 0)
     d.scheduler.finish_requests(["B"], RequestStatus.FINISHED_ABORTED)
     d.run()
     assert_clean(d.host())

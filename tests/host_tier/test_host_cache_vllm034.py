@@ -315,15 +315,15 @@ def test_a_save_dropped_for_a_failed_load_before_the_saves_run_is_never_copied()
     slot is never written nor reported saved later."""
     kv = make_kv_caches(seed=1)
     w = HostCacheWorker(sim.NUM_BLOCKS, 8, _page_bytes(BLOCK_SIZE) * len(kv))
-    w.register(kv)
-    w.bind(HostCacheMetadata(saves=[SaveJob("A", (5, 6), (2, 3))]))
+    w.register_kv_caches(kv)
+    w.bind_connector_metadata(HostCacheMetadata(saves=[SaveJob("A", (5, 6), (2, 3))]))
     assert w.discard_saves_from({6}) == 1  # vLLM's order with a drafter
-    out = w.take_output()
+    out = w.build_connector_worker_meta()
     assert out is not None and set(out.failed_saves) == {3} and not out.saved
-    w.save()  # after the drafter
-    w.clear()
+    w.wait_for_save()  # after the drafter
+    w.clear_connector_metadata()
     w.shutdown()
-    out = w.take_output()
+    out = w.build_connector_worker_meta()
     assert out is not None and set(out.saved) == {2} and not out.failed_saves
     host, device = w.pool.layers[0].host, kv[layer_names()[0]]
     assert torch.equal(host[2], device[5])

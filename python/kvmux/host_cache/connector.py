@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -36,6 +36,7 @@ from kvmux.host_cache.metadata import HostCacheMetadata, HostCacheWorkerMetadata
 from kvmux.host_cache.scheduler import HostCacheScheduler
 from kvmux.host_cache.stats import HostCacheStats
 from kvmux.host_cache.worker import HostCacheWorker
+from kvmux.roles import WrongRole
 
 if TYPE_CHECKING:
     import torch
@@ -135,18 +136,19 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
             request's ``do_remote_prefill``. A constant: kvmux never calls it."""
             return False
 
-    # Each side's state exists only in its role; a call from the wrong side
-    # is a programming error in the host, reported plainly.
+    # Each side's state exists only in its role; a hook called on the wrong
+    # side says so in the words of every kvmux connector (kvmux.roles): the
+    # side objects keep vLLM's hook names, so the error names the hook.
     @property
     def scheduler(self) -> HostCacheScheduler:
         if self._sched is None:
-            raise RuntimeError("KvmuxHostCache: scheduler-side call on a worker instance")
+            return cast(HostCacheScheduler, WrongRole("scheduler", "KvmuxHostCache"))
         return self._sched
 
     @property
     def worker(self) -> HostCacheWorker:
         if self._worker is None:
-            raise RuntimeError("KvmuxHostCache: worker-side call on a scheduler instance")
+            return cast(HostCacheWorker, WrongRole("worker", "KvmuxHostCache"))
         return self._worker
 
     # ------------------------------------------------------ scheduler side
@@ -154,29 +156,29 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.lookup(request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
-        self.scheduler.allocated(request, blocks, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HostCacheMetadata:
         if self._kv_cache_manager is None:
             raise RuntimeError(
                 "KvmuxHostCache: vLLM did not bind its KV cache manager (bind_kv_cache_manager)"
             )
-        return self.scheduler.build_meta(scheduler_output, self._kv_cache_manager)
+        return self.scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, HostCacheWorkerMetadata):
             raise TypeError(f"KvmuxHostCache got worker metadata {type(meta).__name__}")
-        self.scheduler.worker_output(meta)
+        self.scheduler.update_connector_output(meta)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA off (one group): as :meth:`request_finished_all_groups`."""
-        return self.scheduler.finished(request)
+        return self.scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -185,10 +187,10 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         step by step as they filled (each group's share: see ``layout.py``),
         so nothing is copied here: ``async_save`` is True while those saves
         are in flight, and vLLM keeps every group's blocks until then."""
-        return self.scheduler.finished(request)
+        return self.scheduler.request_finished(request)
 
     def reset_cache(self) -> bool:
-        return self.scheduler.reset()
+        return self.scheduler.reset_cache()
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         """``BlockStored`` for the blocks the tier now holds and
@@ -218,20 +220,20 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
     # --------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register(kv_caches)
+        self.worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(connector_metadata, HostCacheMetadata):
             raise TypeError(f"KvmuxHostCache got metadata {type(connector_metadata).__name__}")
         super().bind_connector_metadata(connector_metadata)
-        self.worker.bind(connector_metadata)
+        self.worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self.worker.clear()
+        self.worker.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.start_load()
+        self.worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are waited for once, on the GPU, before the forward."""
@@ -240,16 +242,16 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         """Saves run once per step in ``wait_for_save``, batched over layers."""
 
     def wait_for_save(self) -> None:
-        self.worker.save()
+        self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         return self.worker.finished_sending() or None, None
 
     def build_connector_worker_meta(self) -> HostCacheWorkerMetadata | None:
-        return self.worker.take_output()
+        return self.worker.build_connector_worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self.worker.take_load_errors()
+        errors = self.worker.get_block_ids_with_load_errors()
         if errors:
             self.worker.discard_saves_from(errors)
         return errors

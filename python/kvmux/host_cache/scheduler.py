@@ -165,7 +165,9 @@ class HostCacheScheduler:
 
     # ------------------------------------------------------------ events
 
-    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """The longest prefix every group can serve beyond vLLM's local hit.
         The slots it offers are pinned until the allocation takes them (or a
         new lookup, or the request's end, releases them): what the tier
@@ -182,7 +184,9 @@ class HostCacheScheduler:
         self.stats.add("lookup_hit_tokens", external)
         return external, False
 
-    def allocated(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
         """vLLM allocated the request's blocks, ``num_external_tokens`` of
         them for the tier to fill. In every group, each such block vLLM
         allocated (a windowed group's are its window; the rest are vLLM's
@@ -218,7 +222,7 @@ class HostCacheScheduler:
                 if n:
                     self.stats.add(f"group{g}.loaded_blocks", n)
 
-    def build_meta(
+    def build_connector_meta(
         self, scheduler_output: SchedulerOutput, kv_cache_manager: Any
     ) -> HostCacheMetadata:
         loads = [
@@ -260,7 +264,7 @@ class HostCacheScheduler:
                 meta.saves.append(SaveJob(req_id, tuple(ids), tuple(slots), g))
         return meta
 
-    def worker_output(self, meta: HostCacheWorkerMetadata | None) -> None:
+    def update_connector_output(self, meta: HostCacheWorkerMetadata | None) -> None:
         """The workers' confirmations: the index aborts the failed saves,
         makes ready the saves every worker confirmed and releases the loads
         every worker confirmed."""
@@ -290,7 +294,7 @@ class HostCacheScheduler:
         if self.events is not None:
             self.events.apply(events)
 
-    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """The request ends: ``(async_save, params)``. ``async_save`` is True
         while its saves are in flight (vLLM keeps its blocks until the workers
         report it). ``params`` is ``{"host_cache_stats": {...}}`` when the
@@ -329,7 +333,7 @@ class HostCacheScheduler:
             ]
         return out
 
-    def reset(self) -> bool:
+    def reset_cache(self) -> bool:
         self.index.clear_unpinned()
         self._apply_index_events(self.index.take_events())
         return True

@@ -45,7 +45,7 @@ class HostCacheWorker:
         self._discarded: set[int] = set()
         self.stats = HostCacheStats()
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         pool = HostPool(kv_caches, self.num_device_blocks, self.num_slots, groups=self.groups)
         if pool.block_bytes != self.expected_block_bytes:
             raise ValueError(
@@ -67,14 +67,14 @@ class HostCacheWorker:
             pool.device,
         )
 
-    def bind(self, meta: HostCacheMetadata) -> None:
+    def bind_connector_metadata(self, meta: HostCacheMetadata) -> None:
         if self.pool is not None:
             self.pool.fence()
         self._meta = meta
         self._discarded = set()
         self._awaiting.update(meta.finished_async)
 
-    def clear(self) -> None:
+    def clear_connector_metadata(self) -> None:
         self._meta = None
         self._discarded = set()
 
@@ -86,7 +86,7 @@ class HostCacheWorker:
             )
         return self.pool
 
-    def start_load(self) -> None:
+    def start_load_kv(self) -> None:
         """This step's loads: one batched copy per KV cache group."""
         meta = self._meta
         if meta is None or not meta.loads:
@@ -121,7 +121,7 @@ class HostCacheWorker:
             self.stats.add("bytes_loaded", transfer.nbytes)
             self._loads.append((transfer, tuple(slots)))
 
-    def save(self) -> None:
+    def wait_for_save(self) -> None:
         """This step's saves: one batched copy per KV cache group."""
         meta = self._meta
         if meta is None or not meta.saves:
@@ -177,12 +177,12 @@ class HostCacheWorker:
         self._awaiting -= done
         return done
 
-    def take_output(self) -> HostCacheWorkerMetadata | None:
+    def build_connector_worker_meta(self) -> HostCacheWorkerMetadata | None:
         self._poll()
         out, self._out = self._out, HostCacheWorkerMetadata()
         return None if out.is_empty() else out
 
-    def take_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dis
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["constant_answer", "is_noop", "layer_hook"]
+__all__ = ["constant_answer", "layer_hook"]
 
 
 _TRIVIAL = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG"}
@@ -54,21 +54,12 @@ def constant_answer(hook: Any) -> tuple[bool, Any]:
     return _constant_code(hook)
 
 
-def is_noop(func: Callable[..., Any]) -> bool:
-    """True when ``func``'s body does nothing (``pass``, a docstring, ``return``
-    or ``return None``): such a child hook is skipped on the per-layer path."""
-    const, value = _constant_code(func)
-    return const and value is None
-
-
-def layer_hook(children: Iterable[Any], name: str) -> Callable[..., None]:
+def layer_hook(active: Sequence[Callable[..., Any]], name: str) -> Callable[..., None]:
     """The fastest callable for a per-layer hook (``wait_for_layer_load``,
-    ``save_kv_layer``): only children whose hook does something are called,
-    a single one directly, with no wrapper frame. A hook that cannot be
-    inspected on the child's class (a child whose class hands back another
-    object from ``__new__``, as vLLM's tests build ``MagicMock`` children) is
-    treated as active and called on the object."""
-    active = [getattr(c, name) for c in children if not _class_hook_is_noop(c, name)]
+    ``save_kv_layer``) over ``active``, the hooks of the children the core's
+    fan-out rule calls (:meth:`kvmux.mux.children.Children.plan`): none, a
+    builtin that does nothing; one, that child's bound method itself, with no
+    wrapper frame; several, one loop over them."""
     if not active:
         return _noop
     if len(active) == 1:
@@ -81,11 +72,6 @@ def layer_hook(children: Iterable[Any], name: str) -> Callable[..., None]:
 
     fan.__name__ = name
     return fan
-
-
-def _class_hook_is_noop(child: Any, name: str) -> bool:
-    func = getattr(type(child), name, None)
-    return func is not None and is_noop(func)
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

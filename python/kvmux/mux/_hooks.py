@@ -27,8 +27,6 @@ __all__ = [
     "QuietHook",
     "SchedulerHook",
     "StatsHook",
-    "WrongRole",
-    "wrong_role",
 ]
 
 
@@ -152,30 +150,3 @@ class AnyChildHook(_ResolvedHook):
 
 def _always_true(*args: Any, **kwargs: Any) -> bool:
     return True
-
-
-#: Each side's wrong role and where its hooks belong, for :func:`wrong_role`.
-_ROLES = {
-    "scheduler": ("worker", "the scheduler's connector"),
-    "worker": ("scheduler", "a worker's connector"),
-}
-
-
-def wrong_role(hook: str, side: str) -> RuntimeError:
-    """The error of calling ``side``'s ``hook`` on a connector built for the
-    other role."""
-    role, where = _ROLES[side]
-    return RuntimeError(
-        f"kvmux: {hook} is a {side}-side hook, and this KvmuxConnector was "
-        f"built for the {role} role; call it on {where}"
-    )
-
-
-class WrongRole:
-    """Stands for the side a connector was not built for: any use says so."""
-
-    def __init__(self, side: str) -> None:
-        self._side = side
-
-    def __getattr__(self, hook: str) -> Any:
-        raise wrong_role(hook, self._side)

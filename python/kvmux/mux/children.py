@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import fan_out
+from kvmux._versions import DEFAULT_HIT_SOURCES
 from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.mux._fanout import constant_answer, layer_hook
 from kvmux.mux.config import MuxConfig
@@ -53,6 +54,13 @@ class Plan:
     where the child lacks the hook)."""
     active: tuple[tuple[int, Callable[..., Any]], ...]
     """(index, bound hook) of the children that must be called."""
+
+
+#: Hooks whose vLLM default kvmux's core applies itself, without the call:
+#: a child that keeps the default is not asked (vLLM's default split of a
+#: child's hits is all of them under its own ``_cache_hit_source``, which
+#: ``rust/mux/sources.rs`` counts for a child that answers nothing).
+_CORE_APPLIES = {"get_external_cache_hit_sources": DEFAULT_HIT_SOURCES}
 
 
 class Children:
@@ -105,9 +113,15 @@ class Children:
         events container when children send KV events from their workers
         (:func:`kvmux.mux.events.own_worker_events`)."""
         out: list[Fact] = []
+        applied = _CORE_APPLIES.get(hook)
         for child in self.connectors:
             fn = getattr(child, hook, None)
             if fn is None:  # e.g. request_finished_all_groups of a child without HMA
+                out.append(None)
+                continue
+            if applied is not None and getattr(type(child), hook, None) is applied:
+                # vLLM's own default, whose answer the core gives itself: as
+                # if the child lacked the hook.
                 out.append(None)
                 continue
             const, value = constant_answer(fn)
@@ -147,7 +161,7 @@ class Children:
     def layer_hook(self, hook: str) -> Callable[..., None]:
         """The fastest callable for a per-layer hook (see
         :func:`kvmux.mux._fanout.layer_hook`)."""
-        return layer_hook(self.connectors, hook)
+        return layer_hook([fn for _, fn in self.plan(hook).active], hook)
 
     # ------------------------------------------------------------- calls
 

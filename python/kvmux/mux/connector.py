@@ -54,8 +54,6 @@ from kvmux.mux._hooks import (
     QuietHook,
     SchedulerHook,
     StatsHook,
-    WrongRole,
-    wrong_role,
 )
 from kvmux.mux.children import Children
 from kvmux.mux.config import MuxConfig, check_hma, parse_mux_config
@@ -65,6 +63,7 @@ from kvmux.mux.parent_name import parent_name_problems
 from kvmux.mux.scheduler import MuxScheduler
 from kvmux.mux.stats import KvmuxStats
 from kvmux.mux.worker import MuxWorker
+from kvmux.roles import WrongRole, wrong_role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvmux._core import SCHEDULER_HOOKS, SchedulerMux
-from kvmux._versions import DEFAULT_HIT_SOURCES, CacheHitSource
+from kvmux._versions import CacheHitSource
 from kvmux.mux.children import Children
 from kvmux.mux.config import HMA_FIX, MuxConfig
 
@@ -67,13 +67,11 @@ class MuxScheduler:
         )
         #: Each child's own hit source (``_cache_hit_source``), by value.
         self.own_sources = [own_source(c) for c in children.connectors]
-        #: The children asked to split their span: not those whose split is
-        #: vLLM's default, all of it under their own source, which the core
-        #: applies itself (``own_sources``) without the call.
-        self.splits = [
-            getattr(type(c), "get_external_cache_hit_sources", None) is not DEFAULT_HIT_SOURCES
-            for c in children.connectors
-        ]
+        #: The children asked to split their span, by the fan-out rule: not
+        #: those whose split is vLLM's default, all of it under their own
+        #: source, which the core applies itself (``own_sources``).
+        active = set(children.active("get_external_cache_hit_sources"))
+        self.splits = [i in active for i in range(len(children))]
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
