@@ -169,3 +169,210 @@ impl SchedulerMux {
         Ok(chosen)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mux::scheduler::test_support::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn allocation_tells_the_chosen_child_only_and_watches_its_load() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| hit([0, 32, 64][i])).unwrap();
+        let mut told = vec![];
+        let chosen = m
+            .allocated(
+                "r",
+                32,
+                || Ok::<_, String>(vec![vec![7, 8]]),
+                |i, n| {
+                    told.push((i, n));
+                    Ok(())
+                },
+            )
+            .unwrap();
+        assert_eq!(chosen, Some(1));
+        assert_eq!(told, [(0, 0), (1, 32), (2, 0)]);
+        assert!(m.watching());
+        let s = m.snapshot();
+        assert_eq!(s.children[1][Child::Loads as usize], 1);
+        assert_eq!(s.children[1][Child::LoadTokens as usize], 32);
+        // The second call vLLM makes after an async load tells everyone 0.
+        told.clear();
+        let again = m
+            .allocated("r", 0, no_blocks, |i, n| {
+                told.push((i, n));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(again, None);
+        assert_eq!(told, [(0, 0), (1, 0), (2, 0)]);
+    }
+
+    #[test]
+    fn allocation_fault_drops_state_and_watch() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        let err = m
+            .allocated(
+                "r",
+                16,
+                || Ok(vec![vec![1]]),
+                |i, _| {
+                    if i == 1 {
+                        Err(ChildFault::Raised("no".to_owned()))
+                    } else {
+                        Ok(())
+                    }
+                },
+            )
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                hook: hook::ALLOC,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert!(!m.watching());
+    }
+
+    #[test]
+    fn a_resumed_request_credits_each_token_once_to_its_first_source() {
+        // Child 1 loads 48 tokens; preempted, the request is looked up again
+        // and vLLM's cache holds those 48 and 16 it computed: the child
+        // keeps its 48, vLLM's cache gets the 16 after them.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("r", 48, no_blocks, no_tell).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap();
+        m.lookup("r", 64, |_, _| hit(0)).unwrap(); // a repeat: the same admission
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 16)
+        );
+        let snap = m.snapshot();
+        assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
+        assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
+        // Resumed with a reload past the old span: only the new tokens count.
+        m.lookup("s", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("s", 48, no_blocks, no_tell).unwrap();
+        m.lookup("s", 32, |i, _| hit([32, 0][i])).unwrap();
+        m.allocated("s", 32, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "s");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (64, vec![16, 48], 0)
+        );
+        // Preempted, then aborted before it was admitted again: the first
+        // admission stands.
+        m.lookup("t", 0, |i, _| hit([0, 48][i])).unwrap();
+        m.allocated("t", 48, no_blocks, no_tell).unwrap();
+        m.lookup("t", 48, |_, _| hit(0)).unwrap();
+        let s = supplied(&m, "t");
+        assert_eq!(
+            (s.extra, s.by_child.to_vec(), s.local),
+            (48, vec![0, 48], 0)
+        );
+        // Its credits lived in its one entry: none are left behind.
+        assert_eq!(m.live_requests(), 0, "no credits left behind");
+    }
+
+    #[test]
+    fn an_async_loads_second_allocation_is_the_same_admission() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!((s.extra, s.local), (48, 0));
+    }
+
+    proptest! {
+        /// Any admissions (local hit, then a span), in any order: the
+        /// credits add up to at most the furthest token reached, and never
+        /// shrink.
+        #[test]
+        fn credits_count_each_token_once(adm in proptest::collection::vec((0u64..8, 0u64..8, 0usize..2), 1..6)) {
+            let mut c = Credits::default();
+            let mut reach = 0;
+            for (local, span, child) in adm {
+                let (local, span) = (local * 16, span * 16);
+                let mut split = [0u64; 2];
+                split[child] = span;
+                let before = c.clone();
+                c.add(local, &split);
+                reach = reach.max(local + span);
+                prop_assert_eq!(c.covered, reach);
+                prop_assert_eq!(c.local + c.by_child.iter().sum::<u64>(), reach);
+                prop_assert!(c.local >= before.local);
+            }
+        }
+    }
+
+    #[test]
+    fn an_async_load_is_announced_with_its_child() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let lazy = |i: usize| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(if i == 1 { 32 } else { 0 }),
+                load_async: i == 1,
+            })
+        };
+        m.lookup("r", 0, |i, _| lazy(i)).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        assert_eq!(m.take_outbox().loads.get("r"), Some(&0b10));
+        // vLLM's second call once the load is done announces nothing.
+        m.allocated("r", 0, no_blocks, no_tell).unwrap();
+        assert!(m.take_outbox().is_empty());
+        // A synchronous load is not waited for.
+        m.lookup("s", 0, |i, _| hit([0, 16][i])).unwrap();
+        m.allocated("s", 16, no_blocks, no_tell).unwrap();
+        assert!(m.take_outbox().is_empty());
+    }
+
+    #[test]
+    fn each_child_and_the_local_cache_are_credited_their_tokens() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
+        m.lookup("r", 16, |i, _| hit([0, 48, 32][i])).unwrap();
+        m.allocated("r", 48, no_blocks, no_tell).unwrap();
+        let s = supplied(&m, "r");
+        assert_eq!((s.extra, s.local), (48, 16));
+        assert_eq!(s.by_child[..], [0, 48, 0]);
+        assert_eq!(s.by_child.iter().sum::<u64>(), s.extra);
+        let snap = m.snapshot();
+        assert_eq!(snap.children[1][Child::ServedTokens as usize], 48);
+        assert_eq!(snap.children[2][Child::ServedTokens as usize], 0);
+        assert_eq!(snap.totals[Total::LocalCachedTokens as usize], 16);
+        // Counted whether or not the request asked.
+        m.lookup("s", 0, |i, _| hit([0, 0, 32][i])).unwrap();
+        m.allocated("s", 32, no_blocks, no_tell).unwrap();
+        finish_with(&m, "s", false, (0..3).map(|_| done(false, None)).collect()).unwrap();
+        assert_eq!(m.snapshot().children[2][Child::ServedTokens as usize], 32);
+    }
+
+    #[test]
+    fn compose_cuts_spans_from_the_end_when_vllm_allocates_less_or_a_load_fails() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::Compose);
+        m.lookup("r", 0, |i, _| hit([32, 32][i])).unwrap();
+        let mut told = vec![];
+        m.allocated(
+            "r",
+            48,
+            || Ok::<_, String>(vec![vec![1, 2, 3, 4]]),
+            |i, n| {
+                told.push((i, n));
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(told, [(0, 32), (1, 16)]);
+        // Block 2 (tokens 32..48, child 1's span) fails: vLLM recomputes it.
+        assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
+        assert_eq!(supplied(&m, "r").by_child[..], [32, 0]);
+    }
+}

@@ -391,3 +391,324 @@ impl SchedulerMux {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mux::scheduler::test_support::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn finish_reports_loaded_tokens_when_asked_and_passes_one_source_uncopied() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 16, |i, _| hit([0, 32][i])).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        let f = finish_with(&m, "r", true, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 32)])))
+        );
+        assert_eq!(m.live_requests(), 0);
+        let one = P(vec![("remote", 1)]);
+        let f = finish_with(
+            &m,
+            "s",
+            false,
+            vec![done(false, Some(one.clone())), done(false, None)],
+        )
+        .unwrap();
+        assert_eq!(f.params, Some(FinishedParams::Source(one)));
+        let f = finish_with(&m, "t", false, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(f.params, None);
+        assert_eq!(m.snapshot().totals[Total::Finished as usize], 3);
+        assert_eq!(m.snapshot().totals[Total::ExtraCachedTokens as usize], 32);
+    }
+
+    #[test]
+    fn several_async_savers_make_the_workers_wait_for_the_rest() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
+        let f = finish_with(
+            &m,
+            "r",
+            false,
+            vec![done(true, None), done(true, None), done(true, None)],
+        )
+        .unwrap();
+        assert!(f.async_save);
+        let out = m.take_outbox();
+        assert_eq!(out.saves.get("r"), Some(&(0b111, 3)), "every saver reports");
+        assert!(m.take_outbox().is_empty(), "taken once");
+        assert_eq!(m.snapshot().totals[Total::ExtraAsyncSaves as usize], 2);
+        assert_eq!(m.snapshot().children[2][Child::AsyncSaves as usize], 1);
+    }
+
+    #[test]
+    fn untracked_request_never_waits_for_extra_saves() {
+        // A request never looked up (aborted while waiting) or finished twice:
+        // the first saver's completion ends it.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let f = finish_with(&m, "x", false, vec![done(true, None), done(true, None)]).unwrap();
+        assert!(f.async_save);
+        assert_eq!(m.take_outbox().saves.get("x"), Some(&(0b11, 1)));
+    }
+
+    #[test]
+    fn failure_of_a_child_that_never_took_part_is_contained() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let f = finish_with(
+            &m,
+            "x",
+            true,
+            vec![Err(ChildFault::Raised("tracker".into())), done(true, None)],
+        )
+        .unwrap();
+        assert!(f.async_save);
+        assert_eq!(f.contained.len(), 1);
+        assert!(f.contained[0].first && f.contained[0].child == 0);
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 0)])))
+        );
+        // The contained child is not among the savers: its completion of
+        // the request will be a stray, dropped.
+        assert_eq!(m.take_outbox().saves.get("x"), Some(&(0b10, 1)));
+        let again = finish_with(
+            &m,
+            "y",
+            false,
+            vec![Err(ChildFault::Raised("tracker".into())), done(false, None)],
+        )
+        .unwrap();
+        assert!(!again.contained[0].first, "loud once per child");
+        assert_eq!(m.snapshot().children[0][Child::ContainedErrors as usize], 2);
+    }
+
+    #[test]
+    fn failure_of_a_child_that_took_part_raises_after_calling_everyone() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
+        let mut called = vec![];
+        let err = m
+            .finish_fns(
+                "r",
+                |_| hook::FINISHED_ALL_GROUPS,
+                want(false),
+                |_| false,
+                own,
+                |i| {
+                    called.push(i);
+                    if i == 0 {
+                        Err(ChildFault::Raised("x".to_owned()))
+                    } else {
+                        done(false, None)
+                    }
+                },
+            )
+            .unwrap_err();
+        assert_eq!(called, [0, 1, 2]);
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                hook: hook::FINISHED_ALL_GROUPS,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert!(m.take_outbox().is_empty());
+    }
+
+    #[test]
+    fn clash_policies_on_finish() {
+        let a = || done(false, Some(P(vec![("k", 1), ("a", 5)])));
+        let b = || done(false, Some(P(vec![("k", 2)])));
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let err = finish_with(&m, "r", false, vec![a(), b()]).unwrap_err();
+        assert!(
+            matches!(err, MuxError::ParamClash { ref key, first: 0, second: 1, policy: "error" } if key == "k")
+        );
+        assert_eq!(m.snapshot().totals[Total::ClashesRaised as usize], 1);
+
+        let m = mux(2, ClashPolicy::Last, LoadPolicy::First);
+        let f = finish_with(&m, "r", false, vec![a(), b()]).unwrap();
+        let Some(FinishedParams::Merged(merged)) = &f.params else {
+            panic!("merged params expected");
+        };
+        let kv: Vec<_> = merged.iter().map(|e| (e.key.as_str(), &e.value)).collect();
+        assert_eq!(kv, [("k", &V(2)), ("a", &V(5))]);
+        assert_eq!(f.new_clashes.len(), 1);
+        let f = finish_with(&m, "s", false, vec![a(), b()]).unwrap();
+        assert!(f.new_clashes.is_empty(), "warned once per key");
+        assert_eq!(m.snapshot().totals[Total::ClashesResolved as usize], 2);
+    }
+
+    #[test]
+    fn a_multi_group_finish_with_a_child_without_hma_is_refused_and_forgotten() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_hma::<String>(vec![true, false], "turn HMA off".into())
+            .unwrap();
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        assert_eq!(m.live_requests(), 1);
+        let refused = m.finish_route(2).unwrap_err();
+        let err = m.refuse::<String>("r", refused);
+        let MuxError::TooManyGroups {
+            ref request,
+            groups,
+            ref children,
+        } = err
+        else {
+            panic!("refusal expected, got {err:?}");
+        };
+        assert_eq!(
+            (request.as_str(), groups, children.as_slice()),
+            ("r", 2, &[1][..])
+        );
+        assert_eq!(
+            m.live_requests(),
+            0,
+            "the refused request's state is dropped"
+        );
+        assert!(m.refusal("r", 2, &[1]).contains("children ['c1']"));
+        assert!(m.refusal("r", 2, &[1]).contains("turn HMA off"));
+        // One group: the child without HMA gets request_finished.
+        let route = m.finish_route(1).unwrap();
+        assert_eq!(
+            (route.hook(0), route.hook(1)),
+            (hook::FINISHED_ALL_GROUPS, hook::FINISHED)
+        );
+        assert!(mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_hma::<String>(vec![true], String::new())
+            .is_err());
+    }
+
+    #[test]
+    fn own_keys_win_over_a_childs_under_every_policy() {
+        // A nested kvmux answers num_extra_cached_tokens too: the outer
+        // multiplexer's count is the request's, never an error.
+        for policy in [ClashPolicy::Error, ClashPolicy::Strict, ClashPolicy::First] {
+            let m = mux(1, policy, LoadPolicy::First);
+            let child = done(false, Some(P(vec![(EXTRA_KEY, 9), ("a", 1)])));
+            let f = finish_with(&m, "r", true, vec![child]).unwrap();
+            let Some(FinishedParams::Merged(merged)) = &f.params else {
+                panic!("merged params expected");
+            };
+            let extra = merged.iter().find(|e| e.key == EXTRA_KEY).unwrap();
+            assert_eq!((&extra.value, extra.source), (&V(0), 1));
+            assert_eq!(f.new_clashes[0].rule, KeyRule::Own(1));
+            assert_eq!(m.snapshot().totals[Total::ClashesRaised as usize], 0);
+        }
+        assert_eq!(
+            mux(1, ClashPolicy::Error, LoadPolicy::First).name(1),
+            "kvmux"
+        );
+    }
+
+    #[test]
+    fn a_clash_on_a_key_the_request_asked_for_is_answered_per_child_not_raised() {
+        for policy in [ClashPolicy::Error, ClashPolicy::Strict] {
+            let m = mux(2, policy, LoadPolicy::First);
+            let a = done(false, Some(P(vec![("asked", 1)])));
+            let b = done(false, Some(P(vec![("asked", 2)])));
+            let f = finish_with(&m, "r", false, vec![a, b]).unwrap();
+            let Some(FinishedParams::Merged(merged)) = &f.params else {
+                panic!("merged params expected");
+            };
+            assert_eq!(merged.len(), 1);
+            assert_eq!((&merged[0].value, merged[0].source), (&V(1), 0));
+            assert_eq!(merged[0].others, vec![(1, V(2))]);
+            assert_eq!(f.new_clashes.len(), 1, "logged once per key");
+            let totals = m.snapshot().totals;
+            assert_eq!(totals[Total::ClashesResolved as usize], 1);
+            assert_eq!(totals[Total::ClashesRaised as usize], 0);
+            assert_eq!(m.live_requests(), 0);
+            // A key the request did not ask for still follows the policy.
+            let a = done(false, Some(P(vec![("k", 1)])));
+            let b = done(false, Some(P(vec![("k", 2)])));
+            assert!(finish_with(&m, "s", false, vec![a, b]).is_err());
+        }
+    }
+
+    #[test]
+    fn malformed_params_name_the_child_and_failed_compare_is_the_hosts() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let bad = done(false, Some(P(vec![("", 1)])));
+        let err = finish_with(&m, "r", false, vec![done(false, Some(P(vec![]))), bad]).unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                fault: ChildFault::Malformed(_),
+                ..
+            }
+        ));
+        let neg = || done(false, Some(P(vec![("k", -1)])));
+        let err = finish_with(&m, "s", false, vec![neg(), neg()]).unwrap_err();
+        assert!(matches!(err, MuxError::Host(_)));
+    }
+
+    #[test]
+    fn partial_tail_is_any_and_contains_like_finish() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let (keep, contained) = m
+            .partial_tail("x", |i| {
+                if i == 0 {
+                    Err(ChildFault::Raised("x".to_owned()))
+                } else {
+                    Ok(true)
+                }
+            })
+            .unwrap();
+        assert!(keep);
+        assert_eq!(contained.len(), 1);
+        m.lookup("r", 0, |_, _| hit(0)).unwrap();
+        let err = m
+            .partial_tail("r", |_| Err(ChildFault::Raised("y".to_owned())))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                hook: hook::PARTIAL_TAIL,
+                ..
+            }
+        ));
+    }
+
+    proptest! {
+        /// Whatever the children answer, a finished request leaves no state
+        /// and the workers wait for exactly (savers - 1) extra completions.
+        #[test]
+        fn finish_always_cleans_up(savers in proptest::collection::vec(any::<bool>(), 1..8),
+                                   looked_up in any::<bool>(),
+                                   fail in proptest::option::of(0usize..8)) {
+            let n = savers.len();
+            let m = mux(n, ClashPolicy::Error, LoadPolicy::First);
+            if looked_up {
+                m.lookup("r", 0, |_, _| hit(0)).unwrap();
+            }
+            let res = m.finish_fns("r", |_| hook::FINISHED, want(false), |_| false, own, |i| {
+                if Some(i) == fail { Err(ChildFault::Raised("x".to_owned())) }
+                else { done(savers[i], None) }
+            });
+            prop_assert_eq!(m.live_requests(), 0);
+            let out = m.take_outbox();
+            let failed = fail.filter(|&f| f < n);
+            match (res, failed) {
+                (Err(_), Some(_)) => prop_assert!(looked_up && out.is_empty()),
+                (Ok(f), _) => {
+                    let k = savers.iter().enumerate()
+                        .filter(|&(i, &s)| s && Some(i) != failed).count() as u32;
+                    prop_assert_eq!(f.async_save, k > 0);
+                    let savers: u64 = savers.iter().enumerate()
+                        .filter(|&(i, &s)| s && Some(i) != failed)
+                        .map(|(i, _)| 1u64 << i).sum();
+                    let need = if looked_up { k } else { k.min(1) };
+                    let want = (k > 0).then_some((savers, need));
+                    prop_assert_eq!(out.saves.get("r").copied(), want);
+                }
+                (Err(e), None) => prop_assert!(false, "unexpected {:?}", e),
+            }
+        }
+    }
+}

@@ -74,3 +74,81 @@ impl SchedulerMux {
         self.n_joined.load(Relaxed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mux::scheduler::test_support::*;
+
+    fn none() -> [&'static str; 0] {
+        []
+    }
+
+    #[test]
+    fn an_abort_mid_load_beside_a_saver_passes_only_the_last_completion() {
+        // Load first, save after; save first, load after; both in one step.
+        for order in 0..3 {
+            let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+            async_load(&m, "r", 48);
+            assert!(m.tracking_loads());
+            let f = finish_with(&m, "r", false, vec![done(false, None), done(true, None)]);
+            assert!(f.unwrap().async_save);
+            assert_eq!(m.joined_requests(), 1);
+            let held = match order {
+                0 => {
+                    let first = m.reported(&["r"], &none());
+                    assert_eq!(first.recving, ["r"], "the load, with the save still due");
+                    m.reported(&none(), &["r"])
+                }
+                1 => {
+                    let first = m.reported(&none(), &["r"]);
+                    assert_eq!(first.sending, ["r"], "the save, with the load still due");
+                    m.reported(&["r"], &none())
+                }
+                _ => {
+                    let both = m.reported(&["r"], &["r"]);
+                    assert_eq!((both.recving, both.sending), (vec!["r".to_owned()], vec![]));
+                    Held::default()
+                }
+            };
+            assert_eq!(held, Held::default(), "the last one passes");
+            assert_eq!(m.joined_requests(), 0);
+            assert!(!m.tracking_loads());
+            assert_eq!(
+                m.reported(&["r"], &["r"]),
+                Held::default(),
+                "later ones pass"
+            );
+        }
+    }
+
+    #[test]
+    fn a_load_reported_before_the_finish_or_no_saver_holds_nothing() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        // vLLM heard the load finished before the abort: it waits for the save only.
+        assert_eq!(m.reported(&["r"], &none()), Held::default());
+        assert!(!m.tracking_loads());
+        finish_with(&m, "r", false, vec![done(false, None), done(true, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert_eq!(m.reported(&none(), &["r"]), Held::default());
+        // Nobody saves: vLLM frees the aborted request on its load's report.
+        async_load(&m, "s", 32);
+        finish_with(&m, "s", false, vec![done(false, None), done(false, None)]).unwrap();
+        assert_eq!(m.joined_requests(), 0);
+        assert!(!m.tracking_loads());
+        assert_eq!(m.reported(&["s"], &none()), Held::default());
+        // A synchronous load is never pending.
+        m.lookup("t", 0, |_, _| hit(32)).unwrap();
+        m.allocated("t", 32, no_blocks, no_tell).unwrap();
+        assert!(!m.tracking_loads());
+    }
+
+    #[test]
+    fn a_forgotten_request_is_no_longer_loading() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        async_load(&m, "r", 48);
+        assert!(m.forget("r"));
+        assert!(!m.tracking_loads());
+    }
+}

@@ -100,3 +100,167 @@ impl SchedulerMux {
         hit.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mux::scheduler::test_support::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_load_is_watched_for_block_errors_only_on_a_single_group_model() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        let two_groups = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1], vec![2]]) };
+        m.allocated("r", 16, two_groups, no_tell).unwrap();
+        assert_eq!(
+            m.load_errors(|b| b == 1, |_| false),
+            0,
+            "several groups: no block-level errors, vLLM fails whole requests"
+        );
+        assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
+        m.lookup("s", 0, |_, _| hit(16)).unwrap();
+        let one_group = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![3]]) };
+        m.allocated("s", 16, one_group, no_tell).unwrap();
+        assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
+    }
+
+    #[test]
+    fn a_load_past_its_deadline_is_failed_with_its_blocks_and_its_late_completion_dropped() {
+        let timeout = Duration::from_millis(50);
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_load_deadlines::<String>(vec![None, Some(timeout)])
+            .unwrap();
+        let lazy = |i: usize| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(if i == 1 { 40 } else { 0 }),
+                load_async: i == 1,
+            })
+        };
+        // 16 tokens in vLLM's own prefix cache (block 7), 40 to load
+        // (blocks 8, 9, 10 of 16-token blocks).
+        m.lookup("r", 16, |i, _| lazy(i)).unwrap();
+        let blocks = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![7, 8, 9, 10, 11]]) };
+        m.allocated("r", 40, blocks, no_tell).unwrap();
+        let out = m.take_outbox();
+        assert_eq!(out.loads.get("r"), Some(&0b10));
+        assert_eq!(
+            out.load_blocks.get("r"),
+            Some(&vec![8, 9, 10]),
+            "never the shared block"
+        );
+
+        // The worker: the clock starts when it hears of the load.
+        let w = WorkerMux::new::<String>(vec!["c0".into(), "c1".into()], vec![None, Some(timeout)])
+            .unwrap();
+        let t0 = Instant::now();
+        w.expect(&[], &[("r", 0b10)]);
+        w.expect_load_blocks(out.load_blocks);
+        let mut failed = Vec::new();
+        w.expire_loads(t0, |r| failed.push(r.to_owned()));
+        assert!(failed.is_empty() && w.take_timed_out_blocks().is_empty());
+        w.expire_loads(t0 + 2 * timeout, |r| failed.push(r.to_owned()));
+        assert_eq!(failed, ["r"]);
+        assert_eq!(w.take_timed_out_blocks(), [8, 9, 10]);
+        assert!(w.take_timed_out_blocks().is_empty(), "taken once");
+        assert_eq!(w.pending_recvs(), 0);
+        assert_eq!(
+            w.received(1, "r", false),
+            None,
+            "the late completion is dropped"
+        );
+        let snap = w.snapshot();
+        assert_eq!(snap.children[1][Child::LoadTimeouts as usize], 1);
+        assert_eq!(snap.children[1][Child::StrayCompletions as usize], 1);
+        assert_eq!(snap.children[1][Child::LoadCompletions as usize], 0);
+    }
+
+    #[test]
+    fn a_load_in_time_keeps_no_blocks_and_a_child_without_a_deadline_waits() {
+        let w = WorkerMux::new::<String>(
+            vec!["c0".into(), "c1".into()],
+            vec![None, Some(Duration::ZERO)],
+        )
+        .unwrap();
+        w.expect(&[], &[("a", 0b01), ("b", 0b10)]);
+        w.expect_load_blocks([("b".to_owned(), vec![3])]);
+        assert_eq!(w.received(1, "b", false), Some(false));
+        let mut failed = Vec::new();
+        w.expire_loads(Instant::now() + Duration::from_secs(60), |r| {
+            failed.push(r.to_owned())
+        });
+        assert!(
+            failed.is_empty(),
+            "a is loaded by a child without a deadline"
+        );
+        assert!(w.take_timed_out_blocks().is_empty());
+        assert_eq!(w.pending_recvs(), 1);
+        // Without any load deadline nothing is announced beyond the loads.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |i, _| -> R<ChildMatch> {
+            Ok(ChildMatch {
+                tokens: Some(16 * i as u64),
+                load_async: i == 1,
+            })
+        })
+        .unwrap();
+        m.allocated(
+            "r",
+            16,
+            || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1]]) },
+            no_tell,
+        )
+        .unwrap();
+        assert!(m.take_outbox().load_blocks.is_empty());
+    }
+
+    #[test]
+    fn load_errors_take_back_tokens_from_the_first_bad_block() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        // 16 local tokens (block 0), 48 loaded into blocks 1..=3.
+        m.lookup("r", 16, |_, _| hit(48)).unwrap();
+        m.allocated(
+            "r",
+            48,
+            || Ok::<_, String>(vec![vec![10, 11, 12, 13]]),
+            no_tell,
+        )
+        .unwrap();
+        assert_eq!(m.load_errors(|b| b == 10, |_| false), 0, "local block");
+        assert_eq!(m.load_errors(|b| b == 12, |_| false), 1);
+        assert!(!m.watching(), "reported once");
+        let f = finish_with(&m, "r", true, vec![done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 16)])))
+        );
+    }
+
+    #[test]
+    fn failed_request_loses_every_loaded_token() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(32)).unwrap();
+        m.allocated("r", 32, no_blocks, no_tell).unwrap();
+        assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
+        let f = finish_with(&m, "r", true, vec![done(false, None)]).unwrap();
+        assert_eq!(
+            f.params,
+            Some(FinishedParams::Source(P(vec![(EXTRA_KEY, 0)])))
+        );
+    }
+
+    #[test]
+    fn finish_and_forget_end_the_watch() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(32)).unwrap();
+        m.allocated("r", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
+            .unwrap();
+        finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
+        assert!(!m.watching());
+        m.lookup("s", 0, |_, _| hit(32)).unwrap();
+        m.allocated("s", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
+            .unwrap();
+        m.forget("s");
+        assert!(!m.watching());
+    }
+}

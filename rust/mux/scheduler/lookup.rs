@@ -313,3 +313,509 @@ impl SchedulerMux {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mux::notice::{Kind, Level};
+    use crate::mux::scheduler::test_support::*;
+
+    fn with_deadlines(deadlines: Vec<Option<Duration>>) -> SchedulerMux {
+        mux(deadlines.len(), ClashPolicy::Error, LoadPolicy::First)
+            .with_lookup_deadlines::<String>(deadlines)
+            .unwrap()
+    }
+
+    fn not_ready() -> R<ChildMatch> {
+        Ok(ChildMatch {
+            tokens: None,
+            load_async: false,
+        })
+    }
+
+    fn with_breaker(failures: u32, cooldown_ms: u64, deadline: Option<Duration>) -> SchedulerMux {
+        let cfg = BreakerConfig {
+            failures,
+            cooldown: Duration::from_millis(cooldown_ms),
+            max_cooldown: Duration::from_millis(cooldown_ms * 8),
+        };
+        with_deadlines(vec![deadline, None])
+            .with_breakers::<String>(vec![Some(cfg), None])
+            .unwrap()
+    }
+
+    fn raised() -> R<ChildMatch> {
+        Err(ChildFault::Raised("server gone".into()))
+    }
+
+    fn count(m: &SchedulerMux, i: usize, c: Child) -> u64 {
+        m.snapshot().children[i][c as usize]
+    }
+
+    #[test]
+    fn lookup_chooses_by_policy_and_counts_hits() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Longest);
+        let got = m.lookup("r", 32, |i, _| hit([0, 16, 48][i])).unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(48), Some(2)));
+        assert_eq!(m.chosen("r"), Some(2));
+        let snap = m.snapshot();
+        assert_eq!(snap.children[0][Child::Lookups as usize], 1);
+        assert_eq!(snap.children[0][Child::Hits as usize], 0);
+        assert_eq!(snap.children[1][Child::HitTokens as usize], 16);
+    }
+
+    #[test]
+    fn a_child_past_its_deadline_is_a_miss_and_never_asked_again() {
+        let m = with_deadlines(vec![Some(Duration::ZERO), None]);
+        let got = m
+            .lookup("r", 0, |i, _| if i == 0 { not_ready() } else { hit(32) })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
+        // Its late answer never counts: it is not even asked.
+        let again = m
+            .lookup("r", 0, |i, _| {
+                assert_ne!(i, 0, "a timed-out child is not asked again");
+                hit(16)
+            })
+            .unwrap();
+        assert_eq!((again.tokens, again.chosen), (Some(16), Some(1)));
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 1);
+        // It still took part: its finish is called like any other's.
+        let mut finished = vec![];
+        m.finish_fns(
+            "r",
+            |_| hook::FINISHED,
+            want(false),
+            |_| false,
+            own,
+            |i| {
+                finished.push(i);
+                done(false, None)
+            },
+        )
+        .unwrap();
+        assert_eq!(finished, [0, 1]);
+    }
+
+    #[test]
+    fn a_raising_child_with_a_breaker_is_a_contained_miss_for_that_request() {
+        let m = with_breaker(5, 1000, None);
+        let got = m
+            .lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(32) })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(32), Some(1)));
+        assert_eq!(got.contained.len(), 1);
+        let c = &got.contained[0];
+        assert_eq!((c.child, c.hook, c.first), (0, hook::LOOKUP, true));
+        assert_eq!(count(&m, 0, Child::LookupErrors), 1);
+        // Not asked again for this request.
+        m.lookup("r", 0, |i, _| {
+            assert_ne!(i, 0);
+            hit(32)
+        })
+        .unwrap();
+        // The next failure is logged quietly.
+        let next = m
+            .lookup("s", 0, |i, _| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert!(!next.contained[0].first);
+        // Without a breaker, a raising child fails the call (see
+        // lookup_fault_names_the_child_and_drops_state).
+        assert!(m.forget("r") && m.forget("s"));
+        assert!(!m.table.any_excluded(), "finishing clears the exclusions");
+    }
+
+    #[test]
+    fn an_interrupt_is_never_contained() {
+        // With a breaker a raising lookup is a contained miss; an interrupt
+        // (Ctrl-C in a child) is handed back, and the request forgotten.
+        let m = with_breaker(3, 1000, None);
+        let err = m
+            .lookup("r", 0, |i, _| {
+                if i == 0 {
+                    Err(ChildFault::Interrupt("KeyboardInterrupt".into()))
+                } else {
+                    hit(0)
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                fault: ChildFault::Interrupt(_),
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+        assert_eq!(count(&m, 0, Child::LookupErrors), 0);
+        // On the way out, a child that never took part fails the call when
+        // interrupted (a raise would be contained), after every child ran.
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        let answers = vec![
+            Err(ChildFault::Interrupt("SystemExit".into())),
+            done(true, None),
+        ];
+        let err = finish_with(&m, "x", false, answers).unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 0,
+                fault: ChildFault::Interrupt(_),
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn huge_composed_counts_saturate_instead_of_wrapping() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
+        let big = i64::MAX as u64;
+        let got = m.lookup("r", 0, |i, _| hit([big, big, 5][i])).unwrap();
+        assert_eq!(got.tokens, Some(u64::MAX));
+    }
+
+    #[test]
+    fn consecutive_failures_open_the_breaker_and_skip_the_child() {
+        let m = with_breaker(2, 30, Some(Duration::ZERO));
+        // A request that waits on child 0 with a deadline not yet passed.
+        for r in ["a", "b"] {
+            m.lookup(r, 0, |i, _| if i == 0 { not_ready() } else { hit(0) })
+                .unwrap();
+        }
+        assert_eq!(m.breaker(0), Some(State::Open));
+        assert_eq!(m.breaker(1), None);
+        assert_eq!(count(&m, 0, Child::BreakerOpens), 1);
+        let t = m.take_breaker_transitions();
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].child, t[0].to, t[0].failures), (0, State::Open, 2));
+        assert_eq!(
+            m.take_breaker_changes(),
+            Some(vec![Some(State::Open), None])
+        );
+        // While open, a new request is not held by it: it is told of the
+        // request once (a child may keep per-request state from its
+        // lookup), its answer ignored, and not asked again.
+        let mut asked = vec![];
+        let got = m
+            .lookup("c", 0, |i, _| {
+                asked.push(i);
+                if i == 0 {
+                    not_ready()
+                } else {
+                    hit(16)
+                }
+            })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(16), Some(1)));
+        assert_eq!(count(&m, 0, Child::BreakerSkips), 1);
+        m.lookup("c", 0, |i, _| {
+            asked.push(i);
+            hit(16)
+        })
+        .unwrap();
+        assert_eq!(asked, [0, 1, 1], "told once, then not asked");
+        // It takes part: it gets the allocation (0 tokens) and the finish.
+        let mut told = vec![];
+        m.allocated("c", 16, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 0), (1, 16)]);
+        let mut finished = vec![];
+        m.finish_fns(
+            "c",
+            |_| hook::FINISHED,
+            want(false),
+            |_| false,
+            own,
+            |i| {
+                finished.push(i);
+                done(false, None)
+            },
+        )
+        .unwrap();
+        assert_eq!(finished, [0, 1]);
+        // A request that asked it before it opened still tells it.
+        let mut told = vec![];
+        m.allocated("a", 0, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 0), (1, 0)]);
+        // After the cooldown one request probes it; its answer closes it.
+        std::thread::sleep(Duration::from_millis(40));
+        let mut asked = vec![];
+        m.lookup("probe", 0, |i, _| {
+            asked.push(i);
+            hit(0)
+        })
+        .unwrap();
+        assert_eq!(asked, [0, 1]);
+        assert_eq!(m.breaker(0), Some(State::Closed));
+        let to: Vec<State> = m.take_breaker_transitions().iter().map(|t| t.to).collect();
+        assert_eq!(to, [State::HalfOpen, State::Closed]);
+        for r in ["a", "b", "probe"] {
+            assert!(m.forget(r));
+        }
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_a_finished_probe_hands_it_on() {
+        let m = with_breaker(1, 10, None);
+        m.lookup("a", 0, |i, _| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::Open));
+        std::thread::sleep(Duration::from_millis(15));
+        // The probe is not ready yet; another request skips the child.
+        m.lookup("p", 0, |i, _| if i == 0 { not_ready() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::HalfOpen));
+        // Another request tells it once, but its answer does not count.
+        m.lookup("q", 0, |i, _| hit(if i == 0 { 64 } else { 0 }))
+            .unwrap();
+        assert_eq!(
+            m.breaker(0),
+            Some(State::HalfOpen),
+            "only the probe's answer counts"
+        );
+        // The probe ends unanswered: the next request probes.
+        finish_with(&m, "p", false, vec![done(false, None), done(false, None)]).unwrap();
+        m.lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        assert_eq!(m.breaker(0), Some(State::Open));
+        let opened: Vec<u128> = m
+            .take_breaker_transitions()
+            .iter()
+            .filter_map(|t| t.cooldown)
+            .map(|d| d.as_millis())
+            .collect();
+        assert_eq!(opened, [10, 20], "a failed probe doubles the cooldown");
+        for r in ["a", "q", "r"] {
+            assert!(m.forget(r));
+        }
+        assert!(!m.table.any_excluded());
+    }
+
+    #[test]
+    fn within_its_deadline_a_not_ready_child_keeps_the_request_waiting() {
+        let hour = Some(Duration::from_secs(3600));
+        let m = with_deadlines(vec![hour, None]);
+        let got = m
+            .lookup("r", 0, |i, _| if i == 0 { not_ready() } else { hit(32) })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.snapshot().children[0][Child::LookupTimeouts as usize], 0);
+        // A child without a deadline waits for ever, whatever the others'.
+        let m = with_deadlines(vec![None, Some(Duration::ZERO)]);
+        let got = m.lookup("r", 0, |_, _| not_ready()).unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.snapshot().children[1][Child::LookupTimeouts as usize], 1);
+    }
+
+    #[test]
+    fn the_deadline_runs_from_the_first_lookup() {
+        let m = with_deadlines(vec![Some(Duration::from_millis(30))]);
+        assert_eq!(m.lookup("r", 0, |_, _| not_ready()).unwrap().tokens, None);
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(
+            m.lookup("r", 0, |_, _| not_ready()).unwrap().tokens,
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn lookup_over_many_children_chooses_among_all() {
+        let m = mux(MAX_CHILDREN, ClashPolicy::Error, LoadPolicy::Longest);
+        let got = m
+            .lookup("r", 0, |i, _| {
+                hit(if i == MAX_CHILDREN - 1 { 64 } else { 16 })
+            })
+            .unwrap();
+        assert_eq!((got.tokens, got.chosen), (Some(64), Some(MAX_CHILDREN - 1)));
+    }
+
+    #[test]
+    fn not_ready_lookup_counts_nothing_and_keeps_the_choice() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        let got = m
+            .lookup("r", 0, |i, _| -> R<ChildMatch> {
+                Ok(ChildMatch {
+                    tokens: (i == 0).then_some(16),
+                    load_async: false,
+                })
+            })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        assert_eq!(m.chosen("r"), Some(0));
+        assert_eq!(m.snapshot().children[0][Child::Lookups as usize], 1);
+    }
+
+    #[test]
+    fn lookup_fault_names_the_child_and_drops_state() {
+        let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        let err = m
+            .lookup("r", 0, |i, _| {
+                if i == 1 {
+                    Err(ChildFault::Raised("boom".to_owned()))
+                } else {
+                    hit(0)
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            MuxError::Child {
+                child: 1,
+                hook: hook::LOOKUP,
+                ..
+            }
+        ));
+        assert_eq!(m.live_requests(), 0);
+    }
+
+    #[test]
+    fn load_async_with_zero_tokens_is_malformed() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        let err = m
+            .lookup("r", 0, |_, _| -> R<ChildMatch> {
+                Ok(ChildMatch {
+                    tokens: Some(0),
+                    load_async: true,
+                })
+            })
+            .unwrap_err();
+        match err {
+            MuxError::Child {
+                fault: ChildFault::Malformed(why),
+                ..
+            } => assert!(why.contains("load_async=True with 0 tokens")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn notices_tell_each_contained_failure_clash_and_breaker_transition_once() {
+        // A breaker opens on the first raising lookup: the lookup's notices
+        // are the contained miss (loud, the child's first) and the opening.
+        let m = with_breaker(1, 60_000, None);
+        let got = m
+            .lookup("r", 0, |i, _| if i == 0 { raised() } else { hit(0) })
+            .unwrap();
+        let notices = m.lookup_notices("r", &got.contained);
+        let kinds: Vec<_> = notices.iter().map(|n| (n.kind, n.level)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (Kind::LookupMiss, Level::Warning),
+                (Kind::BreakerOpened, Level::Warning)
+            ]
+        );
+        assert!(notices[0].text.contains("contained as a miss"));
+        assert!(notices[1].text.contains("breaker of child 'c0' opened"));
+        assert!(
+            m.lookup_notices::<String>("s", &[]).is_empty(),
+            "a transition is told once"
+        );
+        // A clash resolved by the policy, told once per key.
+        let m = mux(2, ClashPolicy::First, LoadPolicy::First);
+        let a = || done(false, Some(P(vec![("k", 1)])));
+        let f = finish_with(&m, "r", false, vec![a(), a()]).unwrap();
+        let notices = m.exit_notices("r", &f.contained, &f.new_clashes);
+        assert_eq!(notices.len(), 1);
+        assert!(notices[0]
+            .text
+            .contains("'c0' and 'c1' both return kv_transfer_params key 'k'"));
+        let f = finish_with(&m, "s", false, vec![a(), a()]).unwrap();
+        assert!(m.exit_notices("s", &f.contained, &f.new_clashes).is_empty());
+    }
+
+    #[test]
+    fn compose_asks_each_child_after_the_earlier_ones_and_splits_the_load() {
+        let m = mux(3, ClashPolicy::Error, LoadPolicy::Compose);
+        // Child 0 holds [16, 48), child 1 up to 80 (asked from 48), child 2 nothing.
+        let mut asked = vec![];
+        let got = m
+            .lookup("r", 16, |i, nct| -> R<ChildMatch> {
+                asked.push((i, nct));
+                let held = [48, 80, 0][i];
+                Ok(ChildMatch {
+                    tokens: Some(held.max(nct) - nct),
+                    load_async: i == 1,
+                })
+            })
+            .unwrap();
+        assert_eq!(asked, [(0, 16), (1, 48), (2, 80)]);
+        assert_eq!(
+            (got.tokens, got.chosen, got.load_async),
+            (Some(64), Some(0), true)
+        );
+        let mut told = vec![];
+        m.allocated("r", 64, no_blocks, |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(told, [(0, 32), (1, 32), (2, 0)]);
+        assert_eq!(
+            m.take_outbox().loads.get("r"),
+            Some(&0b10),
+            "child 1 loads async"
+        );
+        let s = supplied(&m, "r");
+        assert_eq!(
+            (s.by_child.to_vec(), s.extra, s.local),
+            (vec![32, 32, 0], 64, 16)
+        );
+        assert_eq!(m.live_requests(), 0);
+        assert!(
+            m.table.with("r", |_| ()).is_none(),
+            "its spans left with it"
+        );
+    }
+
+    #[test]
+    fn first_and_longest_ask_every_child_from_vllms_computed_tokens() {
+        for policy in [LoadPolicy::First, LoadPolicy::Longest] {
+            let m = mux(2, ClashPolicy::Error, policy);
+            let mut asked = vec![];
+            m.lookup("r", 16, |i, nct| {
+                asked.push((i, nct));
+                hit(32)
+            })
+            .unwrap();
+            assert_eq!(asked, [(0, 16), (1, 16)], "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn compose_waits_for_a_child_before_asking_the_ones_after_it() {
+        let m = with_deadlines(vec![None, None]);
+        let m = SchedulerMux {
+            load: LoadPolicy::Compose,
+            ..m
+        };
+        let got = m
+            .lookup("r", 0, |i, _| {
+                assert_eq!(i, 0, "child 1 is asked once child 0 answered");
+                not_ready()
+            })
+            .unwrap();
+        assert_eq!(got.tokens, None);
+        let mut asked = vec![];
+        let got = m
+            .lookup("r", 0, |i, nct| {
+                asked.push((i, nct));
+                hit(16)
+            })
+            .unwrap();
+        assert_eq!(asked, [(0, 0), (1, 16)]);
+        assert_eq!(got.tokens, Some(32));
+    }
+}

@@ -18,6 +18,8 @@ mod finish;
 mod held;
 mod load_errors;
 mod lookup;
+#[cfg(test)]
+mod test_support;
 
 use crate::mux::stats::{Child, Counters, Snapshot, Total};
 pub use admission::Credits;
@@ -256,4 +258,55 @@ impl SchedulerMux {
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
+    #[test]
+    fn new_refuses_zero_or_too_many_children() {
+        for n in [0, MAX_CHILDREN + 1] {
+            let names = (0..n).map(|i| i.to_string()).collect();
+            let err = SchedulerMux::new::<String>(names, ClashPolicy::Error, LoadPolicy::First, 16);
+            assert!(matches!(err, Err(MuxError::Config(_))));
+        }
+    }
+
+    #[test]
+    fn bad_breaker_settings_are_refused() {
+        let d = Duration::from_millis;
+        for (failures, cooldown, max) in [(0, d(1), d(1)), (1, d(0), d(1)), (1, d(2), d(1))] {
+            let cfg = BreakerConfig {
+                failures,
+                cooldown,
+                max_cooldown: max,
+            };
+            let got = mux(1, ClashPolicy::Error, LoadPolicy::First)
+                .with_breakers::<String>(vec![Some(cfg)]);
+            assert!(matches!(got, Err(MuxError::Config(_))));
+        }
+    }
+
+    #[test]
+    fn deadlines_are_one_per_child() {
+        let err = mux(2, ClashPolicy::Error, LoadPolicy::First)
+            .with_lookup_deadlines::<String>(vec![None]);
+        assert!(matches!(err, Err(MuxError::Config(_))));
+    }
+
+    #[test]
+    fn interval_stats_wait_while_requests_live_and_flush_when_idle() {
+        let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
+        let hour = std::time::Duration::from_secs(3600);
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        assert!(
+            m.take_interval_every(hour).is_some(),
+            "the first take is due"
+        );
+        m.lookup("r", 0, |_, _| hit(16)).unwrap();
+        assert!(m.take_interval_every(hour).is_none(), "r is live: not due");
+        finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
+        let flushed = m.take_interval_every(hour).expect("idle: flushed");
+        assert_eq!(flushed.children[0][Child::Lookups as usize], 1);
+        assert_eq!(flushed.totals[Total::Finished as usize], 1);
+    }
+}
