@@ -30,6 +30,9 @@ __all__ = [
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 MAX_CHILDREN: int
+HMA_FIX: str
+"""How to run a multi-group model with children that lack HMA: the fix every
+HMA refusal names (``rust/mux/hma.rs``)."""
 EXTRA_KEY: str
 BY_CHILD_KEY: str
 """A request's ``kv_transfer_params`` key asking for the tokens each child
@@ -56,6 +59,11 @@ def check_deadline(key: str, ms: float) -> tuple[str, str] | None:
     """None when ``ms`` is within the core's bounds for the deadline setting
     ``key`` (``lookup_timeout_ms``, ``load_timeout_ms``), else ``(key,
     rule)``: the rule worded for the user (``rust/mux/settings.rs``)."""
+
+def hma_refusal(supports_hma: list[bool], names: list[str], groups: int | None) -> str | None:
+    """The start-up refusal, with the hybrid KV cache manager on, of a model
+    with ``groups`` KV cache groups (None: unknown): None when every child
+    can follow it (``rust/mux/hma.rs``)."""
 
 def check_breaker(
     failures: int, cooldown_ms: float, max_cooldown_ms: float
@@ -106,7 +114,6 @@ class SchedulerMux:
         load_policy: str,
         block_size: int,
         hooks: dict[str, list[tuple[str, Any] | None]],
-        hma_fix: str,
         logger: Any,
         stats_every_s: float = 1.0,
     ) -> Self:
@@ -114,8 +121,7 @@ class SchedulerMux:
         load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
         (None: no deadline, no breaker); ``hooks``: hook name -> each
         child's fact (see :func:`fan_out`), a hook left out answered by
-        every child with vLLM's default; ``hma_fix``: the fix named when a
-        multi-group request meets a non-HMA child; ``logger`` gets the
+        every child with vLLM's default; ``logger`` gets the
         core's notices (containment, breakers, clashes); the counters reach
         vLLM at most once per ``stats_every_s`` and when idle."""
     def get_num_new_matched_tokens(

@@ -23,7 +23,10 @@ mod host_tier;
 mod mux;
 
 use host_tier::{py_chain_token_hashes, PyHostIndex, PyReservation, PyServablePrefix};
-use mux::{check_breaker, check_deadline, fan_out, PyKvmuxMetadata, PySchedulerMux, PyWorkerMux};
+use mux::{
+    check_breaker, check_deadline, fan_out, hma_refusal, PyKvmuxMetadata, PySchedulerMux,
+    PyWorkerMux,
+};
 
 // ------------------------------------------------------------------- keys
 
@@ -122,6 +125,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fan_out, m)?)?;
     m.add_function(wrap_pyfunction!(check_deadline, m)?)?;
     m.add_function(wrap_pyfunction!(check_breaker, m)?)?;
+    m.add_function(wrap_pyfunction!(hma_refusal, m)?)?;
+    m.add("HMA_FIX", crate::mux::hma::FIX)?;
     m.add("SCHEDULER_HOOKS", crate::mux::hook::SCHEDULER.to_vec())?;
     m.add_function(wrap_pyfunction!(bind_errors, m)?)?;
     m.add_class::<PyHostIndex>()?;

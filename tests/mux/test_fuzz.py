@@ -478,7 +478,7 @@ def test_python_threads_share_the_core_without_losing_a_count():
         ],
     }
     children = [(name, False, None, None, None) for name in ("a", "b")]
-    core = SchedulerMux(children, "error", "longest", 16, hooks, "", logging.getLogger())
+    core = SchedulerMux(children, "error", "longest", 16, hooks, logging.getLogger())
     # A worker's side of 8 children that all save every request; thread t
     # reports as children 2t and 2t + 1, 50 times over (49 duplicates each).
     names = [f"c{i}" for i in range(8)]

@@ -208,12 +208,12 @@ def test_an_index_beyond_memory_raises_instead_of_aborting():
         HostIndex((1 << 32) - 2, 1024)
 
 
-def test_a_cooldown_past_the_clocks_range_opens_the_breaker_without_panicking():
-    """The Rust module takes cooldowns up to a Duration's range (the config
-    caps them, but ``kvmux._core`` is public): opening a breaker added the
-    cooldown to the clock, which overflowed with a Rust panic in 787259b
-    (``overflow when adding duration to instant``); now it opens for the far
-    future."""
+def test_a_cooldown_past_the_clocks_range_is_refused_by_the_core_not_a_panic():
+    """``kvmux._core`` is public, so its constructor applies the same bounds
+    as the config (``rust/mux/settings.rs``): a cooldown past what the clock
+    holds (opening a breaker added it to the clock, a Rust panic in 787259b:
+    ``overflow when adding duration to instant``) is a ValueError naming the
+    setting; the longest one allowed opens the breaker for the far future."""
     import logging
     from types import SimpleNamespace
 
@@ -222,16 +222,19 @@ def test_a_cooldown_past_the_clocks_range_opens_the_breaker_without_panicking():
     def lookup(request, num_computed_tokens):
         raise RuntimeError("cache server gone")
 
-    mux = SchedulerMux(
-        # ms: 3e11 years, past what an Instant holds
-        [("flaky", False, None, None, (1, 1e22, 1e22))],
-        "error",
-        "first",
-        16,
-        {"get_num_new_matched_tokens": [("works", lookup)]},
-        "",
-        logging.getLogger("kvmux.test"),
-    )
+    def build(cooldown_ms):
+        return SchedulerMux(
+            [("flaky", False, None, None, (1, cooldown_ms, cooldown_ms))],
+            "error",
+            "first",
+            16,
+            {"get_num_new_matched_tokens": [("works", lookup)]},
+            logging.getLogger("kvmux.test"),
+        )
+
+    with pytest.raises(ValueError, match="breaker_cooldown_ms=[0-9]+ is out of bounds"):
+        build(1e22)  # ms: 3e11 years, past what an Instant holds
+    mux = build(999_999_999.0)
     assert mux.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (0, False)
     assert mux.stats()["breakers"] == {"flaky": "open"}
     # Open: skipped (a miss), not asked, not a panic.

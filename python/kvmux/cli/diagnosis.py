@@ -68,8 +68,9 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from kvmux._core import HMA_FIX
     from kvmux.errors import KvmuxConfigError
-    from kvmux.mux.config import HMA_FIX, known_crash, parse_mux_config
+    from kvmux.mux.config import known_crash, parse_mux_config
     from kvmux.mux.connector import KvmuxConnector
     from kvmux.mux.parent_name import parent_name_problems
 

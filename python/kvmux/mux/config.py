@@ -25,6 +25,7 @@ from kvmux._core import (
     MAX_CHILDREN,
     check_breaker,
     check_deadline,
+    hma_refusal,
 )
 from kvmux.errors import KvmuxConfigError
 
@@ -93,12 +94,6 @@ NOT_SPAN_LOADERS = {
 CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, LOAD_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
-HMA_FIX = (
-    "either pass --disable-hybrid-kv-cache-manager (VllmConfig: "
-    "scheduler_config.disable_hybrid_kv_cache_manager=True), or name the "
-    'connector "MultiConnector" with kv_connector_module_path "kvmux" so vLLM '
-    "turns the hybrid manager off by itself"
-)
 
 
 @dataclass(frozen=True)
@@ -677,19 +672,12 @@ def check_hma(cfg: MuxConfig, hma_enabled: bool, kv_cache_config: KVCacheConfig 
     support is named, with the group count and both fixes. The scheduler and
     the workers are built with the same ``KVCacheConfig`` and decide alike.
     """
-    missing = cfg.non_hma_children()
-    if not hma_enabled or not missing:
+    if not hma_enabled:
         return
-    groups = num_kv_cache_groups(kv_cache_config)
-    if groups == 1:
-        return
-    held = (
-        f"the model's KV cache has {groups} KV cache groups (a hybrid model: sliding-window, "
-        "chunked-local or state-space layers beside full attention)"
-        if groups is not None
-        else "vLLM gave kvmux no KVCacheConfig, so the number of KV cache groups is unknown"
+    refusal = hma_refusal(
+        [c.supports_hma for c in cfg.children],
+        [c.name for c in cfg.children],
+        num_kv_cache_groups(kv_cache_config),
     )
-    raise KvmuxConfigError(
-        f"the hybrid KV cache manager (HMA) is on and {held}, but child connector(s) "
-        f"{missing} do not support HMA and can follow only one group; {HMA_FIX}"
-    )
+    if refusal is not None:
+        raise KvmuxConfigError(refusal)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvmux._core import SCHEDULER_HOOKS, SchedulerMux
 from kvmux._versions import CacheHitSource
 from kvmux.mux.children import Children
-from kvmux.mux.config import HMA_FIX, MuxConfig
+from kvmux.mux.config import MuxConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,7 +61,6 @@ class MuxScheduler:
             cfg.load_policy,
             vllm_config.cache_config.block_size,
             {hook: children.facts(hook) for hook in SCHEDULER_HOOKS},
-            HMA_FIX,
             logger,
             STATS_EVERY_S,
         )

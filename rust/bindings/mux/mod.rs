@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 
 use super::{key_str, repr, str_key};
 use crate::error::ChildFault;
+use crate::mux::hma::Hma;
 use crate::mux::merge::ValueEq;
 use crate::mux::plan::{Fact, Fanout};
 use crate::mux::requests::ChildMatch;
@@ -200,6 +201,26 @@ pub(super) fn deadline(key: &'static str, ms: f64) -> PyResult<std::time::Durati
 /// A setting out of bounds, as the `ValueError` a wrong config gets.
 pub(super) fn bad_setting(e: BadSetting) -> PyErr {
     PyValueError::new_err(e.to_string())
+}
+
+/// `_core.hma_refusal(supports_hma, names, groups)`: the start-up refusal
+/// of a model with `groups` KV cache groups (None: unknown) with the hybrid
+/// KV cache manager on, by the core's rule and words (`mux/hma.rs`); None
+/// when every child can follow it.
+#[pyfunction]
+pub(super) fn hma_refusal(
+    supports_hma: Vec<bool>,
+    names: Vec<String>,
+    groups: Option<usize>,
+) -> PyResult<Option<String>> {
+    if names.len() != supports_hma.len() {
+        return Err(PyValueError::new_err(format!(
+            "one name per child: {} names for {} HMA flags",
+            names.len(),
+            supports_hma.len()
+        )));
+    }
+    Ok(Hma::new(supports_hma).start_refusal(groups, |i| &names[i]))
 }
 
 /// `_core.check_deadline(key, ms)`: None when `ms` is within the bounds of

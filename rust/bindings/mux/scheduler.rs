@@ -392,10 +392,9 @@ impl PySchedulerMux {
     /// `children`: per child `(name, supports_hma, lookup_timeout_ms,
     /// load_timeout_ms, breaker)`; `hooks`: hook name -> one fact per child
     /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
-    /// every child with vLLM's default; `hma_fix`: how to run a multi-group
-    /// model with children that lack HMA.
+    /// every child with vLLM's default.
     #[new]
-    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, hma_fix, logger, stats_every_s = 1.0))]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -404,7 +403,6 @@ impl PySchedulerMux {
         load_policy: &str,
         block_size: u64,
         hooks: &Bound<'_, PyDict>,
-        hma_fix: String,
         logger: Bound<'_, PyAny>,
         stats_every_s: f64,
     ) -> PyResult<Self> {
@@ -430,7 +428,7 @@ impl PySchedulerMux {
             .and_then(|m| m.with_lookup_deadlines(deadlines))
             .and_then(|m| m.with_breakers(breakers))
             .and_then(|m| m.with_load_deadlines(load_deadlines))
-            .and_then(|m| m.with_hma(hma, hma_fix))
+            .and_then(|m| m.with_hma(hma))
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         let stats_every = Duration::try_from_secs_f64(stats_every_s).map_err(|_| {
             PyValueError::new_err(format!("stats_every_s must be >= 0, got {stats_every_s}"))

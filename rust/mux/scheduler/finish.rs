@@ -546,7 +546,7 @@ mod tests {
     #[test]
     fn a_multi_group_finish_with_a_child_without_hma_is_refused_and_forgotten() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_hma::<String>(vec![true, false], "turn HMA off".into())
+            .with_hma::<String>(vec![true, false])
             .unwrap();
         m.lookup("r", 0, |_, _| hit(16)).unwrap();
         assert_eq!(m.live_requests(), 1);
@@ -570,7 +570,7 @@ mod tests {
             "the refused request's state is dropped"
         );
         assert!(m.refusal("r", 2, &[1]).contains("children ['c1']"));
-        assert!(m.refusal("r", 2, &[1]).contains("turn HMA off"));
+        assert!(m.refusal("r", 2, &[1]).contains(crate::mux::hma::FIX));
         // One group: the child without HMA gets request_finished.
         let route = m.finish_route(1).unwrap();
         assert_eq!(
@@ -578,7 +578,7 @@ mod tests {
             (hook::FINISHED_ALL_GROUPS, hook::FINISHED)
         );
         assert!(mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_hma::<String>(vec![true], String::new())
+            .with_hma::<String>(vec![true])
             .is_err());
     }
 

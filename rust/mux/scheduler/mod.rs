@@ -130,7 +130,7 @@ impl SchedulerMux {
             any_load_deadline: false,
             joined: DashMap::new(),
             n_joined: AtomicUsize::new(0),
-            hma: Hma::new(vec![true; n], String::new()),
+            hma: Hma::new(vec![true; n]),
         })
     }
 
@@ -187,11 +187,10 @@ impl SchedulerMux {
     }
 
     /// Tell it which children support the hybrid KV cache manager
-    /// (`hma[i]`), and how to run a multi-group model without (`fix`, said
-    /// when a request is refused: [`SchedulerMux::finish_route`]).
-    pub fn with_hma<E>(mut self, hma: Vec<bool>, fix: String) -> Result<Self, MuxError<E>> {
+    /// (`hma[i]`; a request it must refuse: [`SchedulerMux::finish_route`]).
+    pub fn with_hma<E>(mut self, hma: Vec<bool>) -> Result<Self, MuxError<E>> {
         self.one_per_child("HMA flag", hma.len())?;
-        self.hma = Hma::new(hma, fix);
+        self.hma = Hma::new(hma);
         Ok(self)
     }
 
