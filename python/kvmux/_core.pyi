@@ -1,6 +1,6 @@
 """Types of kvmux's Rust core (``kvmux._core``)."""
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from typing_extensions import Self, final
@@ -11,6 +11,7 @@ __all__ = [
     "CHILD_COUNTERS",
     "CLASH_POLICIES",
     "EXTRA_KEY",
+    "HMA_FIX",
     "LOAD_POLICIES",
     "LOCAL_KEY",
     "MAX_CHILDREN",
@@ -24,7 +25,10 @@ __all__ = [
     "WorkerMux",
     "bind_errors",
     "chain_token_hashes",
+    "check_breaker",
+    "check_deadline",
     "fan_out",
+    "hma_refusal",
 ]
 
 CLASH_POLICIES: list[str]
@@ -116,6 +120,8 @@ class SchedulerMux:
         hooks: dict[str, list[tuple[str, Any] | None]],
         logger: Any,
         stats_every_s: float = 1.0,
+        hit_sources: tuple[dict[str, Any], list[str], Any] | None = None,
+        stats_class: Any = None,
     ) -> Self:
         """``children``: per child ``(name, supports_hma, lookup_timeout_ms,
         load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
@@ -123,7 +129,11 @@ class SchedulerMux:
         child's fact (see :func:`fan_out`), a hook left out answered by
         every child with vLLM's default; ``logger`` gets the
         core's notices (containment, breakers, clashes); the counters reach
-        vLLM at most once per ``stats_every_s`` and when idle."""
+        vLLM at most once per ``stats_every_s`` and when idle;
+        ``hit_sources``: vLLM's ``CacheHitSource`` members by value, each
+        child's own source and the multiplexer's (None: a vLLM without the
+        split, which never asks); ``stats_class``: what the stats hook wraps
+        its data in (``KvmuxStats``; None: the dict itself)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -148,24 +158,21 @@ class SchedulerMux:
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM's hook: failed loads stop counting as loaded; each child sees
         its own entry of the workers' metadata."""
-    def get_kv_connector_stats(self) -> tuple[tuple[Any, ...], dict[str, Any] | None] | None:
-        """vLLM's hook, as data: ``(child stats, counters)``, the counters at
-        most once per ``stats_every_s`` and when idle, and at once when a
-        breaker changed state (``counters["breaker_state"]``: child name ->
-        0 closed, 1 half open, 2 open); None if quiet (the connector makes
-        ``KvmuxStats`` of it)."""
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's hook: None if quiet, else ``stats_class(data)``, ``data``
+        being ``{"children": {name: stats}, "kvmux": counters}``, the
+        counters at most once per ``stats_every_s`` and when idle, and at
+        once when a breaker changed state (``counters["breaker_state"]``:
+        child name -> 0 closed, 1 half open, 2 open)."""
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
-    def hit_sources(
-        self,
-        req_id: str,
-        num_external_tokens: int,
-        split: Callable[[int, int], list[tuple[str, int]] | None],
-        own: list[str],
-    ) -> list[tuple[str, int]]:
-        """vLLM's hits-by-source split of a request's external tokens: each
-        child that supplied a span of them splits it (``split(i, span)``; a
-        child's own source ``own[i]`` for None or a wrong sum), summed."""
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """vLLM's hook: each child that supplied a span of the request's
+        external tokens splits it (a child keeping vLLM's default split is
+        not called; its own source for a wrong answer), summed; vLLM's
+        default for the multiplexer itself when no child loads."""
     def joined_requests(self) -> int:
         """Requests aborted while waiting for their asynchronous load beside
         an asynchronous save, whose last completion vLLM still waits for."""

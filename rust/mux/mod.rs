@@ -129,11 +129,12 @@ pub mod hook {
     pub const BUILD_META: &str = "build_connector_meta";
     pub const UPDATE_OUTPUT: &str = "update_connector_output";
     pub const STATS: &str = "get_kv_connector_stats";
+    pub const HIT_SOURCES: &str = "get_external_cache_hit_sources";
 
     /// vLLM's scheduler-side hooks that are `SchedulerMux`'s own methods:
     /// the connector's are these (one table; the connector's declarations
     /// and the stub `_core.pyi` are checked against it by the tests).
-    pub const SCHEDULER: [&str; 9] = [
+    pub const SCHEDULER: [&str; 10] = [
         LOOKUP,
         ALLOC,
         FINISHED,
@@ -143,6 +144,7 @@ pub mod hook {
         BUILD_META,
         UPDATE_OUTPUT,
         STATS,
+        HIT_SOURCES,
     ];
 
     /// What a child's answer to `hook` must be, for error messages.

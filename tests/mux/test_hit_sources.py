@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+from kvmux import KvmuxChildError
 from kvmux._core import BY_CHILD_KEY, LOCAL_KEY
 from kvmux.host_cache import KvmuxHostCache
 from tests.mux.test_lmcache import make_sim  # noqa: F401 (a fixture)
@@ -152,6 +153,20 @@ def test_a_child_whose_split_is_wrong_counts_under_its_own_source(sims):
     d.run()
     assert m.by_source == {"host": 32, "p2p": 16}
     assert sum(m.by_source.values()) == 48
+
+
+def test_a_child_whose_split_raises_is_named_with_the_hook(sims):
+    """A child's own split runs inside vLLM's scheduler step (the core calls
+    it, ``PySchedulerMux.get_external_cache_hit_sources``): its error reaches
+    vLLM as a ``KvmuxChildError`` naming the child and the hook."""
+    d = sims([host_child(), p2p_child(fail="get_external_cache_hit_sources")])
+    scripted_child(d).script["matched"] = 48
+    d.add("B", PREFIX + [9] * 5)
+    with pytest.raises(KvmuxChildError) as err:
+        d.run()
+    assert err.value.child == P2P
+    assert err.value.hook == "get_external_cache_hit_sources"
+    assert "scripted failure" in str(err.value)
 
 
 def test_the_host_tier_declares_host():

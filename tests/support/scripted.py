@@ -124,6 +124,7 @@ class ScriptedConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         self.calls.append(("hit_sources", (request.request_id, num_external_tokens)))
+        self._maybe_fail("get_external_cache_hit_sources")
         if "hit_split" in self.script:
             from vllm.v1.metrics.cache_hit_source import CacheHitSource
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmux.errors import KvmuxChildError
-from kvmux.mux.stats import build_child_stats
 
 __all__ = [
     "AnyChildHook",
@@ -66,23 +65,14 @@ class SchedulerHook(_ResolvedHook):
 
 class StatsHook(_ResolvedHook):
     """``get_kv_connector_stats``, on either side. On the scheduler: the
-    Rust ``SchedulerMux``'s answer (None when it has nothing to report,
-    else the children's stats and kvmux's counters as data) made into
-    ``KvmuxStats`` by ``kvmux.mux.stats.build_child_stats``, in one function
-    that holds both (no attribute read of the connector per step). On a
-    worker: the worker's method."""
+    Rust ``SchedulerMux``'s method, which builds the ``KvmuxStats`` itself
+    (None when it has nothing to report). On a worker: the worker's
+    method."""
 
     def resolve(self, connector: Any) -> Callable[..., Any]:
         if connector._scheduler is None:
             return getattr(connector._work(self.name), self.name)
-        rust = getattr(connector._scheduler_mux, self.name)
-        names = connector._children.names
-
-        def get_kv_connector_stats() -> Any:
-            got = rust()
-            return None if got is None else build_child_stats(names, *got)
-
-        return get_kv_connector_stats
+        return getattr(connector._scheduler_mux, self.name)
 
 
 class LayerHook(_ResolvedHook):

@@ -427,18 +427,12 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         blocks (as vLLM's MultiConnector does)."""
     )
 
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[Any, int]:
-        """Each loading child's own split of the span it supplied, summed
-        (``MuxScheduler.get_external_cache_hit_sources``; vLLM's default when
-        none loads)."""
-        got = self._sched("get_external_cache_hit_sources").get_external_cache_hit_sources(
-            request, num_external_tokens
-        )
-        if got is None:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return got
+    get_external_cache_hit_sources = SchedulerHook(
+        """``(request, num_external_tokens)``: each loading child's own split
+        of the span it supplied, summed (``rust/mux/sources.rs``); a child
+        keeping vLLM's default split is not called. vLLM's default when none
+        loads."""
+    )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """The loading child's answer (vLLM's default when none loads)."""

@@ -18,6 +18,7 @@ from kvmux._core import SCHEDULER_HOOKS, SchedulerMux
 from kvmux._versions import CacheHitSource
 from kvmux.mux.children import Children
 from kvmux.mux.config import MuxConfig
+from kvmux.mux.stats import KvmuxStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,38 +64,9 @@ class MuxScheduler:
             {hook: children.facts(hook) for hook in SCHEDULER_HOOKS},
             logger,
             STATS_EVERY_S,
+            hit_sources(children.connectors),
+            KvmuxStats,
         )
-        #: Each child's own hit source (``_cache_hit_source``), by value.
-        self.own_sources = [own_source(c) for c in children.connectors]
-        #: The children asked to split their span, by the fan-out rule: not
-        #: those whose split is vLLM's default, all of it under their own
-        #: source, which the core applies itself (``own_sources``).
-        active = set(children.active("get_external_cache_hit_sources"))
-        self.splits = [i in active for i in range(len(children))]
-
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[Any, int] | None:
-        """Each child that supplied tokens of the request's load splits its
-        own span by source (its answer for the span; its own
-        ``_cache_hit_source`` when it answers nothing or a wrong sum), and
-        the splits are summed (the rule is the core's, ``rust/mux/sources.rs``).
-        None when no child loads the request."""
-        if CacheHitSource is None:  # pragma: no cover - a vLLM without the split never asks
-            return None
-
-        def split(i: int, span: int) -> list[tuple[str, int]] | None:
-            if not self.splits[i]:
-                return None
-            got = self.children.call_one(i, "get_external_cache_hit_sources", request, span)
-            return _pairs(got)
-
-        pairs = self.mux.hit_sources(
-            request.request_id, num_external_tokens, split, self.own_sources
-        )
-        if not pairs:
-            return None
-        return {_SOURCES[k]: n for k, n in pairs}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...] | None:
         """The chosen child's answer; None when no child loads the request."""
@@ -119,24 +91,14 @@ def own_source(connector: Any) -> str:
         return CacheHitSource.EXTERNAL_UNSPECIFIED.value
 
 
-#: vLLM's hit sources by value. ``CacheHitSource`` is a ``str`` enum, so a
-#: member finds itself here too: a split is read without an enum call per
-#: pair (``CacheHitSource(k)`` costs ~0.5 us; this is once per load).
-_SOURCES: dict[str, Any] = {} if CacheHitSource is None else {m.value: m for m in CacheHitSource}
-
-
-def _pairs(split: Any) -> list[tuple[str, int]] | None:
-    """A child's split as ``(source value, tokens)`` pairs; None when it is
-    not a mapping of vLLM's sources to token counts."""
-    if CacheHitSource is None or not hasattr(split, "items"):
+def hit_sources(connectors: list[Any]) -> tuple[dict[str, Any], list[str], Any] | None:
+    """What the core needs to answer vLLM's ``get_external_cache_hit_sources``
+    itself (``PySchedulerMux.get_external_cache_hit_sources``): vLLM's
+    sources by value (``CacheHitSource`` is a ``str`` enum, so a child's
+    member finds itself there too, with no enum call per pair), each child's
+    own source, and the multiplexer's own (vLLM's default answer when no
+    child loads). None on a vLLM without the split (it never asks)."""
+    if CacheHitSource is None:
         return None
-    pairs = []
-    try:
-        for k, n in split.items():
-            source = _SOURCES.get(k)
-            if source is None:
-                return None
-            pairs.append((source.value, int(n)))
-    except (TypeError, ValueError):
-        return None
-    return pairs if all(n >= 0 for _, n in pairs) else None
+    by_value = {m.value: m for m in CacheHitSource}
+    return by_value, [own_source(c) for c in connectors], CacheHitSource.EXTERNAL_UNSPECIFIED

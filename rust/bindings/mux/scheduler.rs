@@ -52,6 +52,41 @@ pub struct PySchedulerMux {
     /// Every child's stats are a constant None (none is called).
     stats_all_none: bool,
     stats_every: Duration,
+    /// The children whose own hits-by-source split is asked (the others
+    /// count their span under their own source, vLLM's default).
+    hit_split: Plan<Py<PyAny>>,
+    /// vLLM's hit sources, when it has the split (0.33+).
+    sources: Option<HitSources>,
+    /// What `get_kv_connector_stats` wraps its data in (`KvmuxStats`).
+    stats_class: Option<Py<PyAny>>,
+}
+
+/// vLLM's `CacheHitSource` as the bindings hand it to vLLM: each member by
+/// value, each child's own source, and the multiplexer's own (vLLM's
+/// default answer when no child loads).
+struct HitSources {
+    by_value: Py<PyDict>,
+    own: Vec<String>,
+    default: Py<PyAny>,
+}
+
+impl HitSources {
+    /// A child's split as `(source value, tokens)` pairs; None when it is
+    /// not a dict of vLLM's sources (members or their values) to token
+    /// counts >= 0 (then the child's span counts under its own source).
+    fn pairs(&self, py: Python<'_>, got: &Bound<'_, PyAny>) -> Option<Vec<(String, u64)>> {
+        let d = got.cast::<PyDict>().ok()?;
+        let by_value = self.by_value.bind(py);
+        let mut out = Vec::with_capacity(d.len());
+        for (k, n) in d.iter() {
+            let value: String = k.extract().ok()?;
+            if !by_value.contains(&value).ok()? {
+                return None;
+            }
+            out.push((value, n.extract().ok()?));
+        }
+        Some(out)
+    }
 }
 
 /// A constant finish answer: an async-save flag (constant params are not
@@ -394,7 +429,7 @@ impl PySchedulerMux {
     /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
     /// every child with vLLM's default.
     #[new]
-    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0))]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -405,6 +440,8 @@ impl PySchedulerMux {
         hooks: &Bound<'_, PyDict>,
         logger: Bound<'_, PyAny>,
         stats_every_s: f64,
+        hit_sources: Option<(Bound<'_, PyDict>, Vec<String>, Bound<'_, PyAny>)>,
+        stats_class: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let n = children.len();
         let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
@@ -461,6 +498,22 @@ impl PySchedulerMux {
             update_output: fanout(facts(hook::UPDATE_OUTPUT)?, n, none, any_answer)?,
             child_stats,
             stats_all_none,
+            hit_split: fanout(facts(hook::HIT_SOURCES)?, n, none, any_answer)?,
+            sources: match hit_sources {
+                Some((by_value, own, default)) if own.len() == n => Some(HitSources {
+                    by_value: by_value.unbind(),
+                    own,
+                    default: default.unbind(),
+                }),
+                Some((_, own, _)) => {
+                    return Err(PyValueError::new_err(format!(
+                        "hit_sources: one own source per child ({n}), got {}",
+                        own.len()
+                    )))
+                }
+                None => None,
+            },
+            stats_class: stats_class.map(Bound::unbind),
             logger: logger.unbind(),
             stats_every,
             core,
@@ -686,16 +739,14 @@ impl PySchedulerMux {
         run
     }
 
-    /// vLLM's `get_kv_connector_stats` (every step), as data: None when
-    /// there is nothing to report, else `(each child's stats, kvmux's
-    /// counters or None)`; the counters at most once per `stats_every_s`
-    /// and whenever no request is live (the counts wait in the core until
-    /// taken). The connector makes `KvmuxStats` of it.
-    #[allow(clippy::type_complexity)]
-    fn get_kv_connector_stats<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<Option<(Bound<'py, PyTuple>, Option<Bound<'py, PyDict>>)>> {
+    /// vLLM's `get_kv_connector_stats` (every step): None when there is
+    /// nothing to report, else `stats_class(data)` (`KvmuxStats`; the dict
+    /// itself without one), `data` being `{"children": {name: stats}}` with
+    /// each child's stats that are not None, and `"kvmux"`: kvmux's
+    /// counters, at most once per `stats_every_s` and whenever no request
+    /// is live (the counts wait in the core until taken), at once when a
+    /// breaker changed state (`"breaker_state"`).
+    fn get_kv_connector_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let mut counters = match self.core.take_interval_every(self.stats_every) {
             Some(delta) if !delta.is_zero() => Some(super::counters_dict(
                 py,
@@ -718,15 +769,29 @@ impl PySchedulerMux {
             out.set_item(intern!(py, "breaker_state"), gauge)?;
         }
         // The usual step: no child reports anything and kvmux's counters
-        // are not due; no list is built.
+        // are not due; nothing is built.
         if counters.is_none() && self.stats_all_none {
             return Ok(None);
         }
         let stats = self.answers(py, &self.child_stats, hook::STATS, |f| f.call0())?;
-        if counters.is_none() && stats.iter().all(|s| s.is_none()) {
+        let children = PyDict::new(py);
+        for (i, s) in stats.into_iter().enumerate() {
+            if !s.is_none() {
+                children.set_item(self.core.name(i), s)?;
+            }
+        }
+        if counters.is_none() && children.is_empty() {
             return Ok(None);
         }
-        Ok(Some((PyTuple::new(py, stats)?, counters)))
+        let data = PyDict::new(py);
+        if let Some(counters) = counters {
+            data.set_item(intern!(py, "kvmux"), counters)?;
+        }
+        data.set_item(intern!(py, "children"), children)?;
+        match &self.stats_class {
+            Some(cls) => cls.bind(py).call1((data,)).map(Some),
+            None => Ok(Some(data.into_any())),
+        }
     }
 
     /// Requests aborted mid-load beside an async save whose last
@@ -740,23 +805,53 @@ impl PySchedulerMux {
         Ok(self.core.chosen(&str_key(req_id)?))
     }
 
-    /// vLLM's hits-by-source split of a request's `num_external_tokens`
-    /// (`SchedulerMux::hit_sources`): `split(i, span)` is child i's own
-    /// split of its span as `(source, tokens)` pairs, or None; `own[i]` its
-    /// own source.
-    fn hit_sources(
+    /// vLLM's `get_external_cache_hit_sources`: each child that supplied
+    /// tokens of the request's load splits its own span (a child keeping
+    /// vLLM's default split is not called: its span counts under its own
+    /// source), summed by the core (`SchedulerMux::hit_sources`); vLLM's
+    /// default for the multiplexer itself when no child loads.
+    fn get_external_cache_hit_sources<'py>(
         &self,
-        req_id: &Bound<'_, PyString>,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
         num_external_tokens: u64,
-        split: &Bound<'_, PyAny>,
-        own: Vec<String>,
-    ) -> PyResult<Vec<(String, u64)>> {
-        self.core.hit_sources(
-            &str_key(req_id)?,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let Some(src) = &self.sources else {
+            return Ok(out);
+        };
+        if num_external_tokens == 0 {
+            return Ok(out);
+        }
+        let rid = request_id(request)?;
+        let req_id = str_key(&rid)?;
+        let pairs = self.core.hit_sources::<String, PyErr>(
+            &req_id,
             num_external_tokens,
-            |i, span| split.call1((i, span))?.extract(),
-            |i| own.get(i).cloned().unwrap_or_default(),
-        )
+            |i, span| match self.hit_split.call(i) {
+                Some(f) => {
+                    let got = f
+                        .bind(py)
+                        .call1((request, span))
+                        .map_err(|e| self.child_error(py, hook::HIT_SOURCES, i, e))?;
+                    Ok(src.pairs(py, &got))
+                }
+                None => Ok(None),
+            },
+            |i| src.own[i].clone(),
+        )?;
+        if pairs.is_empty() {
+            out.set_item(src.default.bind(py), num_external_tokens)?;
+            return Ok(out);
+        }
+        let by_value = src.by_value.bind(py);
+        for (value, n) in pairs {
+            let member = by_value
+                .get_item(&value)?
+                .ok_or_else(|| PyValueError::new_err(format!("unknown hit source {value:?}")))?;
+            out.set_item(member, n)?;
+        }
+        Ok(out)
     }
 
     /// Cumulative counters: `{"children": {name: {...}}, "finished": n, ...,
