@@ -161,7 +161,7 @@ fn mux_lifecycle(c: &mut Criterion) {
                     .allocated(
                         id,
                         0,
-                        || Ok::<_, Never>(Vec::new()),
+                        |_| Ok::<_, Never>(Vec::new()),
                         |i, n| {
                             black_box((i, n));
                             Ok(())

@@ -150,7 +150,7 @@ mod tests {
     #[test]
     fn first_and_longest_credit_the_one_child_that_loaded() {
         let m = mux(3, LoadPolicy::First, &[0, 32, 64]);
-        m.allocated("r", 32, || Ok::<_, String>(vec![]), |_, _| Ok(()))
+        m.allocated("r", 32, |_| Ok::<_, String>(vec![]), |_, _| Ok(()))
             .unwrap();
         assert_eq!(
             m.supplied_spans("r", 32),

@@ -16,7 +16,7 @@ HMA on for it, alone or under ``MultiConnector`` with other HMA children.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -152,6 +152,21 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ------------------------------------------------------ scheduler side
+
+    def kvmux_direct_hooks(self) -> dict[str, Callable[..., Any]]:
+        """The scheduler hooks a kvmux multiplexer over this tier may call on
+        its scheduler side directly, skipping this connector's frame: the
+        same arguments and answer (``kvmux.mux.children.Children.facts``
+        asks). Only hooks this class defines and a subclass did not
+        override; none on a worker."""
+        if self._sched is None:
+            return {}
+        cls = type(self)
+        return {
+            hook: getattr(self._sched, hook)
+            for hook in _DIRECT_HOOKS
+            if getattr(cls, hook, None) is getattr(KvmuxHostCache, hook)
+        }
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -297,6 +312,11 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
 class _NoPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         return None
+
+
+#: The scheduler hooks whose connector method only passes its arguments to
+#: the same method of ``HostCacheScheduler`` (see ``kvmux_direct_hooks``).
+_DIRECT_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc")
 
 
 def _register_name() -> None:

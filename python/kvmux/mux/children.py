@@ -63,6 +63,16 @@ class Plan:
 _CORE_APPLIES = {"get_external_cache_hit_sources": DEFAULT_HIT_SOURCES}
 
 
+def _direct_hooks(child: Any) -> dict[str, Any]:
+    """The hooks ``child`` lets a multiplexer call without its connector's
+    frame (``KvmuxHostCache.kvmux_direct_hooks``); none for any other
+    child (looked up on the class: a mock's attributes are not a promise)."""
+    if getattr(type(child), "kvmux_direct_hooks", None) is None:
+        return {}
+    got = child.kvmux_direct_hooks()
+    return got if isinstance(got, dict) else {}
+
+
 class Children:
     """The child connectors of one kvmux connector, in config order."""
 
@@ -91,6 +101,8 @@ class Children:
         except BaseException:
             self.shutdown_quietly()
             raise
+        #: Per child, the hooks it lets kvmux call on its side object directly.
+        self._direct: list[dict[str, Any]] = [_direct_hooks(c) for c in self.connectors]
 
     def __len__(self) -> int:
         return len(self.connectors)
@@ -114,10 +126,15 @@ class Children:
         (:func:`kvmux.mux.events.own_worker_events`)."""
         out: list[Fact] = []
         applied = _CORE_APPLIES.get(hook)
-        for child in self.connectors:
+        for child, direct in zip(self.connectors, self._direct, strict=True):
             fn = getattr(child, hook, None)
             if fn is None:  # e.g. request_finished_all_groups of a child without HMA
                 out.append(None)
+                continue
+            if hook in direct:
+                # kvmux's own host tier: its scheduler side, without the
+                # connector's frame (KvmuxHostCache.kvmux_direct_hooks).
+                out.append(("works", direct[hook]))
                 continue
             if applied is not None and getattr(type(child), hook, None) is applied:
                 # vLLM's own default, whose answer the core gives itself: as

@@ -14,6 +14,7 @@ use pyo3::types::{PyDict, PySet, PyString, PyTuple};
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::ops::Range;
 use std::time::Duration;
 
 use super::super::raise;
@@ -556,11 +557,34 @@ impl PySchedulerMux {
         num_external_tokens: u64,
     ) -> PyResult<()> {
         let rid = request_id(request)?;
-        let load_blocks = || -> PyResult<Vec<Vec<u32>>> {
+        // Each group's blocks in the load's range (`range`: block indices).
+        let load_blocks = |range: Range<usize>| -> PyResult<Vec<Vec<u32>>> {
             if blocks.is_none() {
                 return Ok(Vec::new());
             }
-            blocks.call_method0(intern!(py, "get_block_ids"))?.extract()
+            let cut = |n: usize| range.start.min(n)..range.end.min(n);
+            // vLLM's KVCacheBlocks: only the load's blocks are read (not a
+            // list of every block id of every group, `get_block_ids()`).
+            if let Ok(groups) = blocks.getattr(intern!(py, "blocks")) {
+                let mut out = Vec::new();
+                for group in groups.try_iter()? {
+                    let group = group?;
+                    let ids = cut(group.len()?)
+                        .map(|j| {
+                            group
+                                .get_item(j)?
+                                .getattr(intern!(py, "block_id"))?
+                                .extract()
+                        })
+                        .collect::<PyResult<Vec<u32>>>()?;
+                    out.push(ids);
+                }
+                return Ok(out);
+            }
+            let all: Vec<Vec<u32>> = blocks
+                .call_method0(intern!(py, "get_block_ids"))?
+                .extract()?;
+            Ok(all.into_iter().map(|g| g[cut(g.len())].to_vec()).collect())
         };
         self.core
             .allocated(
@@ -680,16 +704,18 @@ impl PySchedulerMux {
     ) -> PyResult<()> {
         let output = connector_output;
         if self.core.watching() {
-            let invalid: Option<HashSet<u32>> = output
-                .getattr(intern!(py, "invalid_block_ids"))?
-                .extract()?;
-            let failed: Option<HashSet<String>> =
-                match output.getattr(intern!(py, "failed_recving")) {
-                    Ok(f) => f.extract()?,
-                    Err(_) => None, // a vLLM without failed_recving
-                };
-            let invalid = invalid.unwrap_or_default();
-            let failed = failed.unwrap_or_default();
+            // Read only when there is something: the usual step has neither.
+            let some = |v: Bound<'_, PyAny>| !v.is_none() && v.len().map_or(true, |n| n > 0);
+            let invalid = output.getattr(intern!(py, "invalid_block_ids"))?;
+            let invalid: HashSet<u32> = if some(invalid.clone()) {
+                invalid.extract()?
+            } else {
+                HashSet::new()
+            };
+            let failed: HashSet<String> = match output.getattr(intern!(py, "failed_recving")) {
+                Ok(f) if some(f.clone()) => f.extract()?,
+                _ => HashSet::new(), // none, or a vLLM without failed_recving
+            };
             if !invalid.is_empty() || !failed.is_empty() {
                 self.core
                     .load_errors(|b| invalid.contains(&b), |r| failed.contains(r));

@@ -74,8 +74,10 @@ impl SchedulerMux {
     /// `update_state_after_alloc`: the chosen child is told
     /// `num_external_tokens` (under `compose`, each child its span), every
     /// other child that took part 0 (`tell(i, n)`). A planned load's
-    /// device blocks (`load_blocks()`: the request's blocks per KV cache
-    /// group) are watched for load errors when the model has one group:
+    /// device blocks (`load_blocks(range)`: the request's blocks per KV
+    /// cache group in the load's range of block indices, from the first
+    /// after vLLM's own prefix) are watched for load errors when the model
+    /// has one group:
     /// vLLM reports block-level load errors for single-group layouts only
     /// (several groups fail whole requests, `failed_recving`, which needs
     /// no blocks). A child failing drops the request's state.
@@ -83,7 +85,7 @@ impl SchedulerMux {
         &self,
         req_id: &str,
         num_external_tokens: u64,
-        load_blocks: impl FnOnce() -> Result<Vec<Vec<u32>>, E>,
+        load_blocks: impl FnOnce(std::ops::Range<usize>) -> Result<Vec<Vec<u32>>, E>,
         mut tell: impl FnMut(usize, u64) -> Result<(), ChildFault<E>>,
     ) -> Result<Option<usize>, MuxError<E>> {
         let n = self.names.len();
@@ -127,27 +129,27 @@ impl SchedulerMux {
                 self.counters.child(j, Child::Loads, 1);
                 self.counters.child(j, Child::LoadTokens, g);
             }
-            match load_blocks() {
+            // The blocks this load writes: from the first one after vLLM's
+            // own prefix (never a shared block).
+            let bs = self.block_size;
+            let local = self
+                .table
+                .with(req_id, |r| r.state.local_hit_tokens)
+                .unwrap_or(0);
+            let first = (local / bs) as usize;
+            let end = (local + num_external_tokens).div_ceil(bs) as usize;
+            match load_blocks(first..end) {
                 Ok(groups) => {
-                    let blocks = match <[Vec<u32>; 1]>::try_from(groups) {
+                    let span = match <[Vec<u32>; 1]>::try_from(groups) {
                         Ok([group0]) => group0,
                         Err(_) => Vec::new(),
                     };
-                    if async_loaders & self.load_deadline_bits() != 0 && !blocks.is_empty() {
-                        // The blocks this load writes: from the first one
-                        // after vLLM's own prefix (never a shared block).
-                        let bs = self.block_size;
-                        let local = self.table.get(req_id).map_or(0, |s| s.local_hit_tokens);
-                        let end = (local + num_external_tokens).div_ceil(bs) as usize;
-                        let span = blocks
-                            .get((local / bs) as usize..end.min(blocks.len()))
-                            .unwrap_or_default()
-                            .to_vec();
+                    if async_loaders & self.load_deadline_bits() != 0 && !span.is_empty() {
                         self.lock_outbox()
                             .load_blocks
-                            .insert(req_id.to_owned(), span);
+                            .insert(req_id.to_owned(), span.clone());
                     }
-                    self.watch(req_id, blocks)
+                    self.watch(req_id, first, span)
                 }
                 Err(e) => {
                     self.forget(req_id);
@@ -182,15 +184,10 @@ mod tests {
         m.lookup("r", 0, |i, _| hit([0, 32, 64][i])).unwrap();
         let mut told = vec![];
         let chosen = m
-            .allocated(
-                "r",
-                32,
-                || Ok::<_, String>(vec![vec![7, 8]]),
-                |i, n| {
-                    told.push((i, n));
-                    Ok(())
-                },
-            )
+            .allocated("r", 32, blocks(vec![vec![7, 8]]), |i, n| {
+                told.push((i, n));
+                Ok(())
+            })
             .unwrap();
         assert_eq!(chosen, Some(1));
         assert_eq!(told, [(0, 0), (1, 32), (2, 0)]);
@@ -215,18 +212,13 @@ mod tests {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
         m.lookup("r", 0, |_, _| hit(16)).unwrap();
         let err = m
-            .allocated(
-                "r",
-                16,
-                || Ok(vec![vec![1]]),
-                |i, _| {
-                    if i == 1 {
-                        Err(ChildFault::Raised("no".to_owned()))
-                    } else {
-                        Ok(())
-                    }
-                },
-            )
+            .allocated("r", 16, blocks(vec![vec![1]]), |i, _| {
+                if i == 1 {
+                    Err(ChildFault::Raised("no".to_owned()))
+                } else {
+                    Ok(())
+                }
+            })
             .unwrap_err();
         assert!(matches!(
             err,
@@ -360,15 +352,10 @@ mod tests {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::Compose);
         m.lookup("r", 0, |i, _| hit([32, 32][i])).unwrap();
         let mut told = vec![];
-        m.allocated(
-            "r",
-            48,
-            || Ok::<_, String>(vec![vec![1, 2, 3, 4]]),
-            |i, n| {
-                told.push((i, n));
-                Ok(())
-            },
-        )
+        m.allocated("r", 48, blocks(vec![vec![1, 2, 3, 4]]), |i, n| {
+            told.push((i, n));
+            Ok(())
+        })
         .unwrap();
         assert_eq!(told, [(0, 32), (1, 16)]);
         // Block 2 (tokens 32..48, child 1's span) fails: vLLM recomputes it.

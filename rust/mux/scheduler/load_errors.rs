@@ -32,9 +32,9 @@ impl SchedulerMux {
         deadline_bits(&self.load_deadlines)
     }
 
-    pub(super) fn watch(&self, req_id: &str, blocks: Vec<u32>) {
+    pub(super) fn watch(&self, req_id: &str, first: usize, blocks: Vec<u32>) {
         self.table.with_mut(req_id, |r| {
-            if r.watched.replace(blocks).is_none() {
+            if r.watched.replace((first, blocks)).is_none() {
                 self.n_watched.fetch_add(1, Relaxed);
             }
         });
@@ -72,7 +72,7 @@ impl SchedulerMux {
         let bs = self.block_size;
         let mut hit = Vec::new();
         self.table.for_each(|id, r| {
-            let Some(blocks) = r.watched.as_deref() else {
+            let Some((first, blocks)) = r.watched.as_ref() else {
                 return;
             };
             let st = &r.state;
@@ -84,9 +84,9 @@ impl SchedulerMux {
                 external
             } else {
                 let end = local.saturating_add(external);
-                let last = blocks.len().min(end.div_ceil(bs) as usize);
-                ((local / bs) as usize..last)
-                    .find(|&idx| invalid_block(blocks[idx]))
+                let block = |idx: usize| idx.checked_sub(*first).and_then(|j| blocks.get(j));
+                ((local / bs) as usize..end.div_ceil(bs) as usize)
+                    .find(|&idx| block(idx).is_some_and(|&b| invalid_block(b)))
                     .map_or(0, |idx| end - local.max(idx as u64 * bs))
             };
             if lost > 0 {
@@ -111,8 +111,8 @@ mod tests {
     fn a_load_is_watched_for_block_errors_only_on_a_single_group_model() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First);
         m.lookup("r", 0, |_, _| hit(16)).unwrap();
-        let two_groups = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1], vec![2]]) };
-        m.allocated("r", 16, two_groups, no_tell).unwrap();
+        m.allocated("r", 16, blocks(vec![vec![1], vec![2]]), no_tell)
+            .unwrap();
         assert_eq!(
             m.load_errors(|b| b == 1, |_| false),
             0,
@@ -120,8 +120,8 @@ mod tests {
         );
         assert_eq!(m.load_errors(|_| false, |r| r == "r"), 1);
         m.lookup("s", 0, |_, _| hit(16)).unwrap();
-        let one_group = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![3]]) };
-        m.allocated("s", 16, one_group, no_tell).unwrap();
+        m.allocated("s", 16, blocks(vec![vec![3]]), no_tell)
+            .unwrap();
         assert_eq!(m.load_errors(|b| b == 3, |_| false), 1);
     }
 
@@ -140,8 +140,8 @@ mod tests {
         // 16 tokens in vLLM's own prefix cache (block 7), 40 to load
         // (blocks 8, 9, 10 of 16-token blocks).
         m.lookup("r", 16, |i, _| lazy(i)).unwrap();
-        let blocks = || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![7, 8, 9, 10, 11]]) };
-        m.allocated("r", 40, blocks, no_tell).unwrap();
+        m.allocated("r", 40, blocks(vec![vec![7, 8, 9, 10, 11]]), no_tell)
+            .unwrap();
         let out = m.take_outbox();
         assert_eq!(out.loads.get("r"), Some(&0b10));
         assert_eq!(
@@ -204,13 +204,8 @@ mod tests {
             })
         })
         .unwrap();
-        m.allocated(
-            "r",
-            16,
-            || -> Result<Vec<Vec<u32>>, String> { Ok(vec![vec![1]]) },
-            no_tell,
-        )
-        .unwrap();
+        m.allocated("r", 16, blocks(vec![vec![1]]), no_tell)
+            .unwrap();
         assert!(m.take_outbox().load_blocks.is_empty());
     }
 
@@ -219,13 +214,8 @@ mod tests {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         // 16 local tokens (block 0), 48 loaded into blocks 1..=3.
         m.lookup("r", 16, |_, _| hit(48)).unwrap();
-        m.allocated(
-            "r",
-            48,
-            || Ok::<_, String>(vec![vec![10, 11, 12, 13]]),
-            no_tell,
-        )
-        .unwrap();
+        m.allocated("r", 48, blocks(vec![vec![10, 11, 12, 13]]), no_tell)
+            .unwrap();
         assert_eq!(m.load_errors(|b| b == 10, |_| false), 0, "local block");
         assert_eq!(m.load_errors(|b| b == 12, |_| false), 1);
         assert!(!m.watching(), "reported once");
@@ -253,12 +243,12 @@ mod tests {
     fn finish_and_forget_end_the_watch() {
         let m = mux(1, ClashPolicy::Error, LoadPolicy::First);
         m.lookup("r", 0, |_, _| hit(32)).unwrap();
-        m.allocated("r", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
+        m.allocated("r", 32, blocks(vec![vec![1, 2]]), no_tell)
             .unwrap();
         finish_with(&m, "r", false, vec![done(false, None)]).unwrap();
         assert!(!m.watching());
         m.lookup("s", 0, |_, _| hit(32)).unwrap();
-        m.allocated("s", 32, || Ok::<_, String>(vec![vec![1, 2]]), no_tell)
+        m.allocated("s", 32, blocks(vec![vec![1, 2]]), no_tell)
             .unwrap();
         m.forget("s");
         assert!(!m.watching());

@@ -76,9 +76,11 @@ pub struct SchedulerMux {
 pub(crate) struct Request {
     /// Its lookups, choice, allocation and load ([`RequestState`]).
     pub(super) state: RequestState,
-    /// The device blocks (group 0) of its planned load, watched for load
-    /// errors ([`SchedulerMux::load_errors`]; counted in `n_watched`).
-    pub(super) watched: Option<Vec<u32>>,
+    /// Its planned load, watched for load errors
+    /// ([`SchedulerMux::load_errors`]; counted in `n_watched`): the index
+    /// of the load's first block, and the load's device blocks (group 0;
+    /// none with several groups).
+    pub(super) watched: Option<(usize, Vec<u32>)>,
     /// `compose`: each child's span at the latest ready lookup (tokens,
     /// loads asynchronously).
     pub(super) spans: Option<Box<[(u64, bool)]>>,

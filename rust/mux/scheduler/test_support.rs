@@ -174,8 +174,21 @@ pub(super) fn no_tell(_: usize, _: u64) -> R<()> {
     Ok(())
 }
 
-pub(super) fn no_blocks() -> Result<Vec<Vec<u32>>, String> {
+pub(super) fn no_blocks(_: std::ops::Range<usize>) -> Result<Vec<Vec<u32>>, String> {
     Ok(vec![])
+}
+
+/// A request's device blocks per KV cache group (`all`), handed over as the
+/// bindings do: each group's blocks in the load's range.
+pub(super) fn blocks(
+    all: Vec<Vec<u32>>,
+) -> impl FnOnce(std::ops::Range<usize>) -> Result<Vec<Vec<u32>>, String> {
+    move |r| {
+        Ok(all
+            .into_iter()
+            .map(|g| g[r.start.min(g.len())..r.end.min(g.len())].to_vec())
+            .collect())
+    }
 }
 
 /// A lookup where child 0 loads `tokens` asynchronously, and the
