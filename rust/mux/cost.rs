@@ -25,6 +25,20 @@
 //! a row, so that its costs keep being measured and a child that recovers
 //! is taken again.
 
+/// The values of `load_decision`: `always` loads whatever hits (kvmux
+/// without the decision), `cost` decides per request with [`CostModel`].
+pub const LOAD_DECISIONS: [&str; 2] = ["always", "cost"];
+
+/// Whether `load_decision` names the cost-aware decision (None: not a
+/// value of [`LOAD_DECISIONS`]).
+pub fn decides(load_decision: &str) -> Option<bool> {
+    match load_decision {
+        "always" => Some(false),
+        "cost" => Some(true),
+        _ => None,
+    }
+}
+
 /// Observations a [`Fit`] or [`Mean`] needs before it answers.
 pub const MIN_SAMPLES: u64 = 3;
 /// A child declined this many times in a row is taken once (a probe).
