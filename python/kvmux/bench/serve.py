@@ -839,7 +839,9 @@ def breakdown(lines: list[dict[str, Any]], work: ServeWorkload) -> dict[str, Any
     the workload's rounds >= 1 (told by their prompt lengths)."""
     from kvmux.bench import timeline
 
-    return timeline.breakdown(lines, reuse=lambda ln: bool(work.round_of(ln["prompt_tokens"])))
+    return timeline.breakdown(
+        lines, reuse=lambda ln: bool(work.round_of(int(ln.get("prompt_tokens") or 0)))
+    )
 
 
 def _run_one(
@@ -1135,6 +1137,12 @@ def format_report(report: dict[str, Any]) -> str:
         "(ms; device/tier/recomp: prompt tokens from vLLM's prefix cache, the connector, "
         "recomputed; one row per repeat)"
     )
+    oms = [s["outputs_match"] for s in report["systems"].values() if "outputs_match" in s]
+    if oms:
+        lines.append(
+            f"outputs of every system and repeat vs {oms[0]['reference']}: "
+            f"{sum(o['matched'] for o in oms)}/{sum(o['total'] for o in oms)} identical"
+        )
     vbs = {n: s["vllm_bench"] for n, s in report["systems"].items() if "vllm_bench" in s}
     if vbs:
         lines += [
