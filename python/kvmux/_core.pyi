@@ -12,6 +12,7 @@ __all__ = [
     "CLASH_POLICIES",
     "EXTRA_KEY",
     "HMA_FIX",
+    "LOAD_DECISIONS",
     "LOAD_POLICIES",
     "LOCAL_KEY",
     "MAX_CHILDREN",
@@ -33,6 +34,10 @@ __all__ = [
 
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
+LOAD_DECISIONS: list[str]
+"""The values of ``load_decision``: ``always`` (load whatever hits) and
+``cost`` (load a span only when loading is expected faster than computing it:
+``rust/mux/cost.rs``)."""
 MAX_CHILDREN: int
 HMA_FIX: str
 """How to run a multi-group model with children that lack HMA: the fix every
@@ -122,6 +127,8 @@ class SchedulerMux:
         stats_every_s: float = 1.0,
         hit_sources: tuple[dict[str, Any], list[str], Any] | None = None,
         stats_class: Any = None,
+        load_decision: str = "always",
+        timeline_sink: Any = None,
     ) -> Self:
         """``children``: per child ``(name, supports_hma, lookup_timeout_ms,
         load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
@@ -133,7 +140,10 @@ class SchedulerMux:
         ``hit_sources``: vLLM's ``CacheHitSource`` members by value, each
         child's own source and the multiplexer's (None: a vLLM without the
         split, which never asks); ``stats_class``: what the stats hook wraps
-        its data in (``KvmuxStats``; None: the dict itself)."""
+        its data in (``KvmuxStats``; None: the dict itself);
+        ``load_decision``: one of :data:`LOAD_DECISIONS`; ``timeline_sink``:
+        called after a finish with the finished requests' timelines (a list
+        of dicts, see :mod:`kvmux.mux.timeline`; None: none kept)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

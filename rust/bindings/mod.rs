@@ -135,6 +135,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_chain_token_hashes, m)?)?;
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
+    m.add("LOAD_DECISIONS", crate::mux::cost::LOAD_DECISIONS.to_vec())?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;
     m.add("EXTRA_KEY", EXTRA_KEY)?;
     m.add("BY_CHILD_KEY", BY_CHILD_KEY)?;

@@ -43,6 +43,7 @@ use crate::mux::requests::{ChildMatch, Lookup, MAX_CHILDREN};
 
 pub mod breaker;
 pub mod completions;
+pub mod cost;
 pub mod hma;
 pub mod merge;
 pub mod notice;
@@ -54,7 +55,8 @@ mod sources;
 pub mod stats;
 mod worker;
 pub use scheduler::{
-    ChildAnswer, Credits, FinishHooks, FinishResult, Held, ParamsError, PartialTail, SchedulerMux,
+    wall_clock, About, ChildAnswer, ChildTimeline, Credits, FinishHooks, FinishResult, Held,
+    ParamsError, PartialTail, SchedulerMux, Timeline,
 };
 pub use sources::{combine as combine_sources, Span};
 pub use worker::WorkerMux;

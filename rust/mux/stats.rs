@@ -45,6 +45,15 @@ pub enum Child {
     /// Worker: async loads this child left unfinished past its deadline
     /// (failed for the request; its late completion dropped).
     LoadTimeouts,
+    /// `load_decision: "cost"`: spans of this child judged with
+    /// measurements (taken, probed or declined).
+    LoadDecisions,
+    /// Tokens of this child's spans declined: loading them was expected to
+    /// be slower than computing them.
+    DeclinedSlowLoadTokens,
+    /// Tokens declined because this child's "not ready" wait was expected
+    /// to be (or was) longer than computing them: the most it could offer.
+    DeclinedSlowWaitTokens,
 }
 
 /// Names of the per-child counters, by `Child` variant: the one source of the
@@ -66,11 +75,14 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "load_completions",
     "stray_completions",
     "load_timeouts",
+    "load_decisions",
+    "declined_slow_load_tokens",
+    "declined_slow_wait_tokens",
 ];
 
 impl Child {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Child::LoadTimeouts as usize + 1;
+    pub const COUNT: usize = Child::DeclinedSlowWaitTokens as usize + 1;
 }
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.

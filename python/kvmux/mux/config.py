@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmux._core import (
     CLASH_POLICIES,
+    LOAD_DECISIONS,
     LOAD_POLICIES,
     MAX_CHILDREN,
     check_breaker,
@@ -65,10 +66,22 @@ RESERVED_NAMES = ("local_prefix_cache", "kvmux")
 #: (vLLM 0.34 reads it only at the top level under a name other than
 #: ``MultiConnector``: see :mod:`kvmux.mux.parent_name`); kvmux only passes it on.
 CUSTOM_MEM_POOL_KEY = "custom_mem_pool"
+#: ``"always"`` (default): a child's hit is loaded whatever it costs;
+#: ``"cost"``: kvmux learns what each child's load (and its "not ready"
+#: wait) costs and what computing a prompt token costs on this instance,
+#: and takes a span only when loading it is expected to be faster
+#: (``rust/mux/cost.rs``; docs/configuration.md, "The load decision").
+LOAD_DECISION_KEY = "load_decision"
+DEFAULT_LOAD_DECISION = "always"
+#: A file the scheduler side appends one JSON line to per finished request:
+#: where its time went (:mod:`kvmux.mux.timeline`).
+TIMELINE_PATH_KEY = "timeline_path"
 ALLOWED_KEYS = (
     "connectors",
     "clash_policy",
     "load_policy",
+    LOAD_DECISION_KEY,
+    TIMELINE_PATH_KEY,
     LOOKUP_TIMEOUT_KEY,
     LOAD_TIMEOUT_KEY,
     *BREAKER_KEYS,
@@ -143,6 +156,10 @@ class MuxConfig:
     children: tuple[ChildSpec, ...]
     clash_policy: str
     load_policy: str
+    load_decision: str = DEFAULT_LOAD_DECISION
+    """``"always"`` or ``"cost"`` (:data:`LOAD_DECISION_KEY`)."""
+    timeline_path: str | None = None
+    """Where finished requests' timelines go (:data:`TIMELINE_PATH_KEY`)."""
 
     @property
     def names(self) -> list[str]:
@@ -519,6 +536,23 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             )
     clash = _policy(extra, "clash_policy", tuple(CLASH_POLICIES), DEFAULT_CLASH_POLICY, problems)
     load = _policy(extra, "load_policy", tuple(LOAD_POLICIES), DEFAULT_LOAD_POLICY, problems)
+    decision = _policy(
+        extra, LOAD_DECISION_KEY, tuple(LOAD_DECISIONS), DEFAULT_LOAD_DECISION, problems
+    )
+    timeline = extra.get(TIMELINE_PATH_KEY)
+    if timeline is not None and (not isinstance(timeline, str) or not timeline):
+        problems.append(
+            f"kv_connector_extra_config: {TIMELINE_PATH_KEY}={timeline!r} must be a file path "
+            "(a non-empty string) that the scheduler process can append to, or left out"
+        )
+        timeline = None
+    elif timeline is not None:
+        from kvmux.mux.timeline import timeline_problem
+
+        why = timeline_problem(timeline)
+        if why:
+            problems.append(f"kv_connector_extra_config: {TIMELINE_PATH_KEY}={timeline!r}: {why}")
+            timeline = None
     default_timeout = _timeout(extra, "kv_connector_extra_config: ", problems)
     default_load_timeout = _timeout(
         extra, "kv_connector_extra_config: ", problems, LOAD_TIMEOUT_KEY
@@ -607,7 +641,13 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
         )
         for c, name in zip(children, names, strict=True)
     )
-    return MuxConfig(children=specs, clash_policy=clash, load_policy=load)
+    return MuxConfig(
+        children=specs,
+        clash_policy=clash,
+        load_policy=load,
+        load_decision=decision,
+        timeline_path=timeline,
+    )
 
 
 def _names(children: list[_RawChild], problems: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ from kvmux._versions import CacheHitSource
 from kvmux.mux.children import Children
 from kvmux.mux.config import MuxConfig
 from kvmux.mux.stats import KvmuxStats
+from kvmux.mux.timeline import TimelineFile
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,6 +67,8 @@ class MuxScheduler:
             STATS_EVERY_S,
             hit_sources(children.connectors),
             KvmuxStats,
+            cfg.load_decision,
+            None if cfg.timeline_path is None else TimelineFile(cfg.timeline_path).write,
         )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...] | None:

@@ -294,6 +294,20 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_load_timeouts",
         "Async loads a child left unfinished past its load_timeout_ms (failed for the request).",
     ),
+    "load_decisions": (
+        "kvmux_load_decisions",
+        'Spans of a child the load decision judged with measurements (load_decision "cost").',
+    ),
+    "declined_slow_load_tokens": (
+        "kvmux_declined_slow_load_tokens",
+        "Tokens of a child's spans declined: loading them was expected slower than computing "
+        "them (recomputed instead).",
+    ),
+    "declined_slow_wait_tokens": (
+        "kvmux_declined_slow_wait_tokens",
+        "Tokens declined because a child's not-ready wait was expected to be, or was, longer "
+        "than computing them (the most it could offer; recomputed instead).",
+    ),
 }
 
 #: The same for the multiplexer-wide counters (no label; ``clashes``: label

@@ -23,6 +23,7 @@ use super::{
     to_bool, to_finish, to_match, PyKvmuxMetadata, PyParams,
 };
 use crate::error::{ChildFault, MuxError};
+use crate::mux::cost;
 use crate::mux::hma::Route;
 use crate::mux::merge::ClashPolicy;
 use crate::mux::notice::{fault_detail, Notice};
@@ -30,8 +31,8 @@ use crate::mux::plan::{worker_meta_entries, Fanout};
 use crate::mux::requests::{ChildMatch, LoadPolicy};
 use crate::mux::settings::{self, LOAD_TIMEOUT, LOOKUP_TIMEOUT};
 use crate::mux::{
-    hook, ChildAnswer, ChildFinish, FinishHooks, FinishedParams, SchedulerMux, Supplied, Want,
-    BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY,
+    hook, wall_clock, About, ChildAnswer, ChildFinish, FinishHooks, FinishedParams, SchedulerMux,
+    Supplied, Timeline, Want, BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY,
 };
 
 type Plan<T> = Fanout<Py<PyAny>, T>;
@@ -60,6 +61,9 @@ pub struct PySchedulerMux {
     sources: Option<HitSources>,
     /// What `get_kv_connector_stats` wraps its data in (`KvmuxStats`).
     stats_class: Option<Py<PyAny>>,
+    /// Gets the finished requests' timelines (a list of dicts) after each
+    /// finish (`timeline_path`).
+    timeline_sink: Option<Py<PyAny>>,
 }
 
 /// vLLM's `CacheHitSource` as the bindings hand it to vLLM: each member by
@@ -312,6 +316,16 @@ impl PySchedulerMux {
             self.core
                 .exit_notices(req_id, &done.contained, &done.new_clashes),
         );
+        if let Some(sink) = &self.timeline_sink {
+            let lines = self.core.take_timelines();
+            if !lines.is_empty() {
+                let dicts = lines
+                    .iter()
+                    .map(|t| timeline_dict(py, &self.core, t))
+                    .collect::<PyResult<Vec<_>>>()?;
+                sink.bind(py).call1((dicts,))?;
+            }
+        }
         let params = match done.params {
             None => None,
             Some(FinishedParams::Source(p)) => Some(p.0),
@@ -430,7 +444,7 @@ impl PySchedulerMux {
     /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
     /// every child with vLLM's default.
     #[new]
-    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None))]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None, load_decision = "always", timeline_sink = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -443,7 +457,15 @@ impl PySchedulerMux {
         stats_every_s: f64,
         hit_sources: Option<(Bound<'_, PyDict>, Vec<String>, Bound<'_, PyAny>)>,
         stats_class: Option<Bound<'_, PyAny>>,
+        load_decision: &str,
+        timeline_sink: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let decide = cost::decides(load_decision).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "load_decision must be one of {:?}, got {load_decision:?}",
+                cost::LOAD_DECISIONS
+            ))
+        })?;
         let n = children.len();
         let clash: ClashPolicy = clash_policy.parse().map_err(PyValueError::new_err)?;
         let load: LoadPolicy = load_policy.parse().map_err(PyValueError::new_err)?;
@@ -467,6 +489,7 @@ impl PySchedulerMux {
             .and_then(|m| m.with_breakers(breakers))
             .and_then(|m| m.with_load_deadlines(load_deadlines))
             .and_then(|m| m.with_hma(hma))
+            .map(|m| m.with_measure(decide, timeline_sink.is_some(), wall_clock))
             .map_err(|e: MuxError<PyErr>| PyValueError::new_err(e.to_string()))?;
         let stats_every = Duration::try_from_secs_f64(stats_every_s).map_err(|_| {
             PyValueError::new_err(format!("stats_every_s must be >= 0, got {stats_every_s}"))
@@ -515,6 +538,7 @@ impl PySchedulerMux {
                 None => None,
             },
             stats_class: stats_class.map(Bound::unbind),
+            timeline_sink: timeline_sink.map(Bound::unbind),
             logger: logger.unbind(),
             stats_every,
             core,
@@ -532,9 +556,19 @@ impl PySchedulerMux {
     ) -> PyResult<(Option<u64>, bool)> {
         let rid = request_id(request)?;
         let req_id = &*str_key(&rid)?;
+        let about = if self.core.measuring() {
+            Some(About {
+                arrival: request.getattr(intern!(py, "arrival_time"))?.extract()?,
+                prompt_tokens: request
+                    .getattr(intern!(py, "num_prompt_tokens"))?
+                    .extract()?,
+            })
+        } else {
+            None
+        };
         let got = self
             .core
-            .lookup(req_id, num_computed_tokens, |i, computed| {
+            .lookup_about(req_id, num_computed_tokens, about, |i, computed| {
                 answer(
                     py,
                     &self.lookup,
@@ -686,6 +720,19 @@ impl PySchedulerMux {
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyKvmuxMetadata>> {
+        if self.core.measuring() {
+            let tokens = scheduler_output
+                .getattr(intern!(py, "total_num_scheduled_tokens"))?
+                .extract()?;
+            let per = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
+            let per = per.cast::<PyDict>()?;
+            self.core.step_scheduled(tokens, |id| {
+                per.get_item(id)
+                    .ok()
+                    .flatten()
+                    .and_then(|n| n.extract().ok())
+            });
+        }
         let metas = self.answers(py, &self.build_meta, hook::BUILD_META, |f| {
             f.call1((scheduler_output,))
         })?;
@@ -703,6 +750,7 @@ impl PySchedulerMux {
         connector_output: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let output = connector_output;
+        self.core.step_done();
         if self.core.watching() {
             // Read only when there is something: the usual step has neither.
             let some = |v: Bound<'_, PyAny>| !v.is_none() && v.len().map_or(true, |n| n > 0);
@@ -905,4 +953,45 @@ impl PySchedulerMux {
     fn __len__(&self) -> usize {
         self.core.live_requests()
     }
+}
+
+/// A finished request's timeline as the dict `timeline_path`'s lines hold
+/// (see `kvmux.mux.timeline`).
+fn timeline_dict<'py>(
+    py: Python<'py>,
+    core: &SchedulerMux,
+    t: &Timeline,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("req_id", &t.req_id)?;
+    d.set_item("arrival", t.arrival)?;
+    d.set_item("prompt_tokens", t.prompt_tokens)?;
+    d.set_item("first_lookup", t.first_lookup)?;
+    d.set_item("lookup_calls", t.lookup_calls)?;
+    d.set_item("ready", t.ready)?;
+    d.set_item("local_hit_tokens", t.local_hit_tokens)?;
+    let children = t
+        .children
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let e = PyDict::new(py);
+            e.set_item("name", core.name(i))?;
+            e.set_item("not_ready", c.not_ready)?;
+            e.set_item("not_ready_s", c.not_ready_s)?;
+            e.set_item("tokens", c.tokens)?;
+            e.set_item("declined", c.declined.map(|w| w.as_str()))?;
+            e.set_item("load_tokens", c.load_tokens)?;
+            e.set_item("load_async", c.load_async)?;
+            e.set_item("load_start", c.load_start)?;
+            e.set_item("load_done", c.load_done)?;
+            Ok(e)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    d.set_item("children", children)?;
+    d.set_item("allocated", t.allocated)?;
+    d.set_item("external_tokens", t.external_tokens)?;
+    d.set_item("first_token", t.first_token)?;
+    d.set_item("finished", t.finished)?;
+    Ok(d)
 }

@@ -157,6 +157,9 @@ impl SchedulerMux {
                 }
             }
         }
+        if self.measuring() {
+            self.note_allocated(req_id, num_external_tokens, &given, async_loaders);
+        }
         // A child never asked about the request (its breaker was open from
         // the start) has nothing to update: it is not told.
         for (i, &given) in given.iter().enumerate() {

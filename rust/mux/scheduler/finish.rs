@@ -196,7 +196,10 @@ impl SchedulerMux {
         self.release_probe(req_id);
         // The request's whole state leaves with its one entry.
         let (seen, state, spans, credits) = match self.remove(req_id) {
-            Some(r) => (true, r.state, r.spans, r.credits),
+            Some(r) => {
+                self.note_finished(r.timeline);
+                (true, r.state, r.spans, r.credits)
+            }
             None => (false, RequestState::default(), None, None),
         };
         self.counters.total(Total::Finished, 1);

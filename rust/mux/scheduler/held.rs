@@ -35,6 +35,9 @@ impl SchedulerMux {
         if !self.tracking_loads() {
             return held;
         }
+        if self.measuring() {
+            self.note_received(recving);
+        }
         let arrive = |id: &str, this: u8| -> bool {
             if this == RECV_DUE && self.table.load_reported(id) {
                 return false;

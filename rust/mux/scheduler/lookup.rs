@@ -48,6 +48,19 @@ impl SchedulerMux {
         num_computed_tokens: u64,
         ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Looked<E>, MuxError<E>> {
+        self.lookup_about(req_id, num_computed_tokens, None, ask)
+    }
+
+    /// [`SchedulerMux::lookup`] with what the request says of itself
+    /// (`about`: read when [`SchedulerMux::measuring`]), for the load
+    /// decision and the timeline ([`super::decision`]).
+    pub fn lookup_about<E>(
+        &self,
+        req_id: &str,
+        num_computed_tokens: u64,
+        about: Option<About>,
+        ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
+    ) -> Result<Looked<E>, MuxError<E>> {
         // The usual configuration and moment: no deadline, not `compose`,
         // no breaker open or counting failures, no request with a child
         // out of its lookups. Then every child is asked the same and no
@@ -57,10 +70,11 @@ impl SchedulerMux {
             && self.load != LoadPolicy::Compose
             && self.breakers.quiet()
             && !self.table.any_excluded()
+            && self.measure.is_none()
         {
             return self.lookup_plain(req_id, num_computed_tokens, ask);
         }
-        self.lookup_full(req_id, num_computed_tokens, ask)
+        self.lookup_full(req_id, num_computed_tokens, about, ask)
     }
 
     /// [`SchedulerMux::lookup`] when nothing but the answers matters: every child
@@ -108,11 +122,13 @@ impl SchedulerMux {
         })
     }
 
-    /// [`SchedulerMux::lookup`] with deadlines, breakers, exclusions and `compose`.
+    /// [`SchedulerMux::lookup`] with deadlines, breakers, exclusions,
+    /// `compose`, the load decision and the timeline.
     pub(super) fn lookup_full<E>(
         &self,
         req_id: &str,
         num_computed_tokens: u64,
+        about: Option<About>,
         mut ask: impl FnMut(usize, u64) -> Result<ChildMatch, ChildFault<E>>,
     ) -> Result<Looked<E>, MuxError<E>> {
         let unset = ChildMatch {
@@ -215,6 +231,14 @@ impl SchedulerMux {
                 }
             }
         }
+        let why = self.decide(
+            req_id,
+            num_computed_tokens,
+            about,
+            &mut matches,
+            &mut excluded,
+            unasked,
+        );
         let matches = &matches[..];
         let (got, before) = self.table.relookup_at(
             req_id,
@@ -238,6 +262,17 @@ impl SchedulerMux {
             self.table.with_mut(req_id, |r| r.spans = Some(spans));
         }
         self.count_lookup(&got, matches);
+        if self.measure.is_some() {
+            self.note_lookup(
+                req_id,
+                num_computed_tokens,
+                about,
+                matches,
+                &why,
+                got.tokens.is_some(),
+                asked & !unasked,
+            );
+        }
         Ok(Looked {
             lookup: got,
             contained,

@@ -14,6 +14,7 @@ use crate::mux::merge::ClashPolicy;
 use crate::mux::requests::{Entry, LoadPolicy, RequestState, RequestTable};
 
 mod admission;
+mod decision;
 mod finish;
 mod held;
 mod load_errors;
@@ -23,6 +24,7 @@ mod test_support;
 
 use crate::mux::stats::{Child, Counters, Snapshot, Total};
 pub use admission::Credits;
+pub use decision::{wall_clock, About, ChildTimeline, Timeline};
 pub use finish::{ChildAnswer, FinishHooks, FinishResult, ParamsError, PartialTail};
 pub use held::Held;
 
@@ -67,6 +69,8 @@ pub struct SchedulerMux {
     n_joined: AtomicUsize,
     /// Which children take every KV cache group.
     hma: Hma,
+    /// `load_decision: "cost"` and the timeline (None: both off).
+    measure: Option<Box<decision::Measure>>,
 }
 
 /// Everything the scheduler side keeps for one live request, in one entry
@@ -87,6 +91,8 @@ pub(crate) struct Request {
     /// Admitted more than once (preempted, or a failed async load
     /// retried): the tokens its earlier admissions credited.
     pub(super) credits: Option<Box<Credits>>,
+    /// Where its time went (the decision or the timeline is on).
+    pub(super) timeline: Option<Box<Timeline>>,
 }
 
 impl Entry for Request {
@@ -133,6 +139,7 @@ impl SchedulerMux {
             joined: DashMap::new(),
             n_joined: AtomicUsize::new(0),
             hma: Hma::new(vec![true; n]),
+            measure: None,
         })
     }
 

@@ -1,0 +1,69 @@
+"""Where each request's time went, from kvmux's own hooks
+(``timeline_path`` in ``kv_connector_extra_config``).
+
+The scheduler side's Rust core keeps, per request, what its hooks saw
+(``rust/mux/scheduler/decision.rs``) and hands finished requests'
+timelines to :class:`TimelineFile`, which appends one JSON line each. All
+times are epoch seconds on the clock of vLLM's ``Request.arrival_time``
+(``time.time()``); null where the event did not happen:
+
+- ``req_id``, ``arrival``, ``prompt_tokens``;
+- ``first_lookup``: vLLM's first ``get_num_new_matched_tokens``;
+  ``lookup_calls``: how many it made (each "not ready" answer costs an
+  engine step); ``ready``: the first lookup kvmux answered with a count;
+  ``local_hit_tokens``: vLLM's own prefix cache at that lookup;
+- ``children``: per child, in config order: ``name``; ``not_ready``
+  (lookups it answered "not ready") and ``not_ready_s`` (its first such
+  answer to its first ready one, or to when kvmux stopped waiting);
+  ``tokens`` (its hit or span; for a declined child, the tokens declined);
+  ``declined`` (null, ``"slow_load"`` or ``"slow_wait"``: the load
+  decision's why); ``load_tokens``, ``load_async``, ``load_start``
+  (allocation) and ``load_done`` (async: the step whose output reported it
+  received; sync: the end of the step that ran it);
+- ``allocated``, ``external_tokens``;
+- ``first_token``: the end of the engine step that computed the last prompt
+  token (the first output token comes out of that step);
+- ``finished``: ``request_finished``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TimelineFile", "timeline_problem"]
+
+
+def timeline_problem(path: str) -> str | None:
+    """Why kvmux could not append to ``path`` (None: it can), worded with
+    the fix."""
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory; give a file path (one JSON line per finished request)"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"its directory {str(parent)!r} does not exist; create it or choose another path"
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return "is not writable by this process; choose a path it can write"
+    return None
+
+
+class TimelineFile:
+    """Appends timelines to ``path``, one JSON line each, opened on first
+    use and flushed per call (a server stopped by a signal loses none)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: Any = None
+
+    def write(self, timelines: list[dict[str, Any]]) -> None:
+        text = "".join(json.dumps(t, separators=(",", ":")) + "\n" for t in timelines)
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            self._file.write(text)
+            self._file.flush()

@@ -1,0 +1,146 @@
+"""``load_decision: "cost"`` and ``timeline_path``, driven through vLLM's
+real v1 ``Scheduler`` (the rule and the estimator: ``rust/mux/cost.rs``,
+applied in ``rust/mux/scheduler/decision.rs``; their own cargo tests cover a
+child that turns slow and one that recovers).
+
+The scheduler simulation's model is a stand-in (no GPU, no real forward):
+an engine step takes what this process takes to run it, so computing a
+prompt token here costs next to nothing, and the decision learns exactly
+that. The tests below rely on it: on this "engine" a child that keeps a
+request waiting is never worth waiting for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kvmux import KvmuxConfigError
+from kvmux.mux.config import parse_mux_config
+from tests.support.harness import mux_config, scripted
+
+PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks
+NEVER = 10**6  # "not ready" this many times: a child that never answers
+
+
+def warm_up(d, n=4):
+    """Run a few requests to the end, so the engine's steps are measured
+    (every child ready meanwhile)."""
+    scripts = [c.script for c in d.connector.children]
+    held = [s.get("not_ready", 0) for s in scripts]
+    for s in scripts:
+        s["not_ready"] = 0
+    for k in range(n):
+        d.add(f"warm{k}", [7 + k] * 48 + list(range(300, 316)))
+    d.run()
+    for s, n_ready in zip(scripts, held, strict=True):
+        s["not_ready"] = n_ready
+
+
+def until_scheduled(d, req_id, within_s):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        so = d.step()
+        if req_id in so.num_scheduled_tokens:
+            return so
+        time.sleep(0.002)
+    return None
+
+
+def test_an_unknown_decision_or_a_bad_timeline_path_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(KvmuxConfigError) as e:
+        parse_mux_config(mux_config([scripted()], load_decision="costs"))
+    msg = str(e.value)
+    assert "load_decision='costs'" in msg and "did you mean 'cost'" in msg
+    assert "['always', 'cost']" in msg
+    with pytest.raises(KvmuxConfigError, match="does not exist; create it"):
+        parse_mux_config(mux_config([scripted()], timeline_path=str(tmp_path / "no" / "t.jsonl")))
+    with pytest.raises(KvmuxConfigError, match="is a directory"):
+        parse_mux_config(mux_config([scripted()], timeline_path=str(tmp_path)))
+    with pytest.raises(KvmuxConfigError, match="must be a file path"):
+        parse_mux_config(mux_config([scripted()], timeline_path=3))
+    cfg = parse_mux_config(mux_config([scripted()]))
+    assert (cfg.load_decision, cfg.timeline_path) == ("always", None)
+
+
+def test_a_child_that_never_gets_ready_no_longer_holds_the_request(driver_factory, tmp_path):
+    """Without a lookup_timeout_ms: once computing the prompt is measured to
+    be faster than the wait, the request is computed, and the child is not
+    asked again for it."""
+    path = tmp_path / "t.jsonl"
+    cfg = mux_config(
+        [scripted(matched=64, not_ready=NEVER), scripted(matched=0)],
+        load_decision="cost",
+        timeline_path=str(path),
+    )
+    d = driver_factory(cfg)
+    warm_up(d)
+    d.add("r", PROMPT)
+    so = until_scheduled(d, "r", within_s=10)
+    assert so is not None, "the request still waits for a child that never answers"
+    assert so.num_scheduled_tokens["r"] == len(PROMPT)  # computed
+    slow = d.connector.children[0]
+    asked = slow.calls.count(("lookup", "r"))
+    d.run()
+    assert slow.calls.count(("lookup", "r")) == asked
+    assert ("finished", "r") in slow.calls  # still told, to release its state
+    stats = d.connector.mux_stats()["children"]["ScriptedConnector#0"]
+    assert stats["declined_slow_wait_tokens"] >= len(PROMPT) - 1
+    assert stats["load_decisions"] >= 1
+    assert d.connector.num_live_requests() == 0
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    (r,) = [
+        x
+        for x in lines
+        if x["prompt_tokens"] == len(PROMPT)
+        and x["external_tokens"] == 0
+        and x["children"][0]["declined"]
+    ]
+    assert r["children"][0]["declined"] == "slow_wait"
+    assert r["lookup_calls"] >= 1
+
+
+def test_with_the_decision_off_the_same_child_holds_the_request(driver_factory):
+    d = driver_factory(mux_config([scripted(matched=64, not_ready=NEVER), scripted()]))
+    warm_up(d)
+    d.add("r", PROMPT)
+    assert until_scheduled(d, "r", within_s=0.5) is None
+    stats = d.connector.mux_stats()["children"]["ScriptedConnector#0"]
+    assert stats["load_decisions"] == 0 and stats["declined_slow_wait_tokens"] == 0
+
+
+def test_the_timeline_says_where_each_requests_time_went(driver_factory, tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    cfg = mux_config(
+        [scripted(matched=0), scripted(matched=48, load_async=True, not_ready=2)],
+        timeline_path=str(path),
+    )
+    d = driver_factory(cfg)
+    d.add("r", PROMPT)
+    d.run()
+    (t,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert t["req_id"] == "r" and t["prompt_tokens"] == len(PROMPT)
+    assert [c["name"] for c in t["children"]] == ["ScriptedConnector#0", "ScriptedConnector#1"]
+    slow = t["children"][1]
+    assert slow["not_ready"] == 2 and t["lookup_calls"] == 3
+    assert slow["tokens"] == 48 and slow["load_tokens"] == 48 and slow["load_async"]
+    assert slow["declined"] is None
+    assert t["external_tokens"] == 48
+    # In order: arrival, lookups, the ready answer, allocation, the load's
+    # end, the step computing the last prompt token, the finish.
+    order = [
+        t["arrival"],
+        t["first_lookup"],
+        t["ready"],
+        t["allocated"],
+        slow["load_start"],
+        slow["load_done"],
+        t["first_token"],
+        t["finished"],
+    ]
+    assert None not in order
+    assert order == sorted(order), order
+    assert 0 <= slow["not_ready_s"] <= t["ready"] - t["first_lookup"] + 1e-6
+    assert t["children"][0]["load_tokens"] == 0 and t["children"][0]["load_start"] is None
