@@ -464,7 +464,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
         f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
         f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s, "
-        f"think {w['think_s']} s; {report['repeats']} repeats, systems in a rotated order",
+        f"think {w['think_s']} s; {serve.repeats_text(report['repeats'])}",
         f"{report['instances']} instances, {report['routing']}; kvmux [KvmuxHostCache, "
         f"LMCacheMPConnector] load_policy {report['load_policy']}; vLLM KV cache "
         f"{z['vllm_kv_cache_tokens']} tokens each < all conversations "

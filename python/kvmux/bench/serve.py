@@ -722,6 +722,13 @@ def median_spread(xs: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def repeats_text(n: int) -> str:
+    """How the systems ran, for a report's header line."""
+    if n == 1:
+        return "1 repeat"
+    return f"{n} repeats, systems in an order rotated per repeat"
+
+
 def format_spread(values: Sequence[float]) -> str:
     """The line under a ratio: ``    over 3 repeats: 0.912-1.104 (1.01, 0.91, 1.10)``."""
     inner = ", ".join(f"{v:.2f}" for v in values)
@@ -1099,7 +1106,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
         f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
         f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s; "
-        f"{report.get('repeats', 1)} repeats, systems in a rotated order",
+        f"{repeats_text(report.get('repeats', 1))}",
         f"sizes: vLLM KV cache {z['vllm_kv_cache_tokens']} tokens "
         f"({z['vllm_kv_cache_mib']:.0f} MiB)"
         f" < all conversations {z['all_conversations_tokens']} tokens "
