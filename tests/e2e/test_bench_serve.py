@@ -9,7 +9,8 @@ relies on is: every system ran (or, for LMCache's where LMCache is not
 installed, is named with the reason), every request of every system streamed
 its tokens, every output equals vLLM alone's token for token, the host tier
 served prompt tokens that vLLM alone recomputed, the floor and its ratio are
-reported, and the picture is a PNG.
+reported, each KvmuxConnector system's timeline breakdown covers every
+request, and the picture is a PNG.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvmux.bench.serve import SYSTEMS
 
 pytestmark = pytest.mark.multiprocess
 
-BUDGET_S = 1500  # six servers started in turn on two shared cores
+BUDGET_S = 2100  # nine servers started in turn on two shared cores
 
 
 def test_bench_serve_quick(tmp_path: Path) -> None:
@@ -71,6 +72,16 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
     for name in ("kvmux-first", "kvmux-compose"):
         if name in ran:
             assert ran[name]["tokens"]["kvmux_loaded_by_child"]["KvmuxHostCache"] > 0
+    for name, res in ran.items():
+        if name.startswith("kvmux-"):  # KvmuxConnector: a timeline per run
+            b = res["breakdown"]
+            assert b["all"]["requests"] == work["users"] * work["rounds"], name
+            assert f"breakdown {name} (kvmux timeline)" in proc.stdout, name
+        else:
+            assert "breakdown" not in res, name
+    for name in ("kvmux-first-cost", "kvmux-compose-cost"):
+        if name in ran and "host" in ran:
+            assert f"{name}/host ttft p50: " in proc.stdout
     assert "host full hit / floor (target <= 1.5)" in report["ratios"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "TTFT p50" in proc.stdout and "floor:" in proc.stdout

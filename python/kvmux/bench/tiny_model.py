@@ -34,9 +34,12 @@ __all__ = [
     "BUILD",
     "LLAMA",
     "VOCAB",
+    "PAYS_LLAMA",
     "SERVE_LLAMA",
+    "bench_model",
     "cache_root",
     "cached",
+    "pays_llama",
     "serve_llama",
     "tiny_llama",
     "tiny_llama_config",
@@ -113,6 +116,23 @@ SERVE_LLAMA: dict[str, int] = {
     "max_position_embeddings": 8192,
 }
 
+#: The benchmarks' "pays" model (``--workload pays``): a prefix costs far
+#: more to recompute than to load. Wide (hidden 1024, MLP 4096, 16 heads of
+#: 64) for about 120 M parameters, so about 0.24 GFLOP per token, but 2 KV
+#: heads: the same 8 KiB of float32 KV per token as :data:`SERVE_LLAMA`.
+#: On two CPU cores a token costs milliseconds to compute and a
+#: microsecond or two to copy.
+PAYS_LLAMA: dict[str, int] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
+
 
 def _build(path: Path, shape: dict[str, int] | None = None) -> None:
     import torch
@@ -147,6 +167,25 @@ def serve_llama(root: Path | None = None) -> Path:
     :func:`tiny_llama` on first use."""
     shape = f"h{SERVE_LLAMA['hidden_size']}l{SERVE_LLAMA['num_hidden_layers']}"
     return cached(f"serve-llama-{shape}", lambda p: _build(p, SERVE_LLAMA), root)
+
+
+def pays_llama(root: Path | None = None) -> Path:
+    """The "pays" workload's random Llama (:data:`PAYS_LLAMA`), built like
+    :func:`tiny_llama` on first use (about 0.5 GB of float32 weights)."""
+    shape = f"h{PAYS_LLAMA['hidden_size']}l{PAYS_LLAMA['num_hidden_layers']}"
+    return cached(f"pays-llama-{shape}", lambda p: _build(p, PAYS_LLAMA), root)
+
+
+#: The benchmarks' models by name (``ServeWorkload.model``).
+BENCH_MODELS: dict[str, Callable[[], Path]] = {
+    "serve": lambda: serve_llama(),
+    "pays": lambda: pays_llama(),
+}
+
+
+def bench_model(name: str) -> Path:
+    """The folder of the benchmarks' model ``name`` ("serve" or "pays")."""
+    return BENCH_MODELS[name]()
 
 
 def cached(name: str, build: Callable[[Path], None], root: Path | None = None) -> Path:

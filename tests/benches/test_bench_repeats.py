@@ -1,0 +1,119 @@
+"""The pure parts of ``bench serve`` and ``bench fleet`` with repeats
+(issue 35): the rotated order, the paired ratios and their spread line,
+prompt lengths to rounds, the cost systems' configs, the pays workload's
+sizes, and the fleet's aggregation of repeats into ratios. No server runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvmux.bench import fleet, serve
+
+
+def test_order_rotates_so_each_system_takes_each_place():
+    names = ["shared-l2", "shared-l2-cost", "l1-only"]
+    orders = [serve.order(names, k) for k in range(3)]
+    assert orders[0] == names
+    assert orders[1] == ["shared-l2-cost", "l1-only", "shared-l2"]
+    for pos in range(3):
+        assert sorted(o[pos] for o in orders) == sorted(names)
+    assert serve.order(names, 3) == names and serve.order([], 2) == []
+
+
+def test_paired_ratios_pair_by_repeat():
+    a = [{"repeat": 0, "v": 2.0}, {"repeat": 1, "v": 3.0}, {"repeat": 2, "v": 1.0}]
+    b = [{"repeat": 0, "v": 1.0}, {"repeat": 2, "v": 4.0}]  # repeat 1 failed
+    assert serve.paired(a, b, lambda r: r["v"]) == [2.0, 0.25]
+    sp = serve.median_spread([1.01, 0.91, 1.10])
+    assert sp["median"] == 1.01 and sp["min"] == 0.91 and sp["max"] == 1.10
+    assert serve.format_spread([1.01, 0.912, 1.104]) == (
+        "    over 3 repeats: 0.912-1.104 (1.01, 0.91, 1.10)"
+    )
+
+
+def test_round_of_prompt_length():
+    w = serve.ServeWorkload()  # context 2048, question 48, answer 16, 3 rounds
+    assert [w.round_of(2048 + 48 + r * 64) for r in range(3)] == [0, 1, 2]
+    assert w.round_of(2048 + 48 + 3 * 64) is None  # past the last round
+    assert w.round_of(2048 + 16) is None and w.round_of(32) is None
+
+
+def test_cost_systems_config():
+    ktc = serve.system_config("kvmux-compose-cost", 1.0, 5555, "/tmp/t.jsonl")
+    assert ktc is not None
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["load_policy"] == "compose" and extra["load_decision"] == "cost"
+    assert extra["timeline_path"] == "/tmp/t.jsonl"
+    assert [c["kv_connector"] for c in extra["connectors"]] == [
+        "KvmuxHostCache",
+        "LMCacheMPConnector",
+    ]
+    plain = serve.system_config("kvmux-first", 1.0, 5555)
+    assert plain is not None
+    assert "load_decision" not in plain["kv_connector_extra_config"]
+    assert "timeline_path" not in plain["kv_connector_extra_config"]
+    # Not KvmuxConnector: no timeline key anywhere.
+    assert "timeline_path" not in str(serve.system_config("host", 1.0, None, "/tmp/x"))
+    assert serve.is_kvmux("kvmux-host") and not serve.is_kvmux("multi")
+    with pytest.raises(ValueError):
+        serve.system_config("kvmux-first-bogus", 1.0, 5555)
+
+
+def test_pays_workload_keeps_reuse_on_the_tiers():
+    for w in (serve.PAYS, fleet.PAYS, fleet.PAYS_QUICK):
+        assert w.model == "pays"
+        assert w.gpu_blocks * serve.BLOCK_SIZE < w.users * w.conversation_tokens
+
+
+def _run(k: int, p50: float, p99: float, reuse: float, outputs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "repeat": k,
+        "config": {},
+        "errors": [],
+        "requests": 2,
+        "ttft_ms": {"p50": p50, "p90": p99, "p99": p99},
+        "ttft_reuse_ms": {"p50": reuse, "p99": p99},
+        "request_throughput": 1.0,
+        "cross_instance": {"hit_tokens": 10 * (k + 1), "available_tokens": 40},
+        "instances": [
+            {"kvmux_decision_by_child": {"L": {"decisions": 2, "declined_slow_load": 32}}},
+            {"kvmux_decision_by_child": {"L": {"decisions": 1, "declined_slow_load": 0}}},
+        ],
+        "outputs": outputs,
+    }
+
+
+def test_fleet_aggregates_repeats_into_paired_medians():
+    same = {"0/0": [1, 2], "0/1": [3, 4]}
+    other = {"0/0": [1, 2], "0/1": [3, 5]}
+    shared = [
+        _run(0, 200, 400, 100, same),
+        _run(1, 300, 600, 90, same),
+        _run(2, 90, 300, 80, other),
+    ]
+    alone = [
+        _run(0, 100, 400, 100, same),
+        _run(1, 100, 300, 100, same),
+        _run(2, 100, 300, 100, same),
+    ]
+    empty = {"all": {"compute_s_per_token": None, "children": {}}}
+    report: dict[str, Any] = {
+        "systems": {
+            "shared-l2-cost": {**fleet._aggregate("shared-l2-cost", shared), "breakdown": empty},
+            "l1-only": {**fleet._aggregate("l1-only", alone), "breakdown": empty},
+        }
+    }
+    agg = report["systems"]["shared-l2-cost"]
+    assert agg["ttft_ms"]["p50"] == 200 and agg["cross_instance_hit_tokens"] == [10, 20, 30]
+    assert agg["decisions_by_child"] == {"L": {"decisions": 9, "declined_slow_load": 96}}
+    fleet._compare(report)
+    r = report["ratios"]
+    assert r["shared-l2-cost/l1-only ttft p50"] == 2.0  # of 2.0, 3.0, 0.9
+    assert r["shared-l2-cost/l1-only ttft p99"] == 1.0  # of 1.0, 2.0, 1.0
+    assert r["shared-l2-cost/l1-only reuse-round ttft p50"] == 0.9  # of 1.0, 0.9, 0.8
+    assert report["ratio_repeats"]["shared-l2-cost/l1-only ttft p50"]["values"] == [2.0, 3.0, 0.9]
+    # Five runs against l1-only's first; one answer of one run differs.
+    assert report["outputs_match"] == {"reference": "l1-only r0", "matched": 9, "total": 10}
+    assert report["cross_instance_hit_tokens"] == {"shared-l2-cost": 20, "l1-only": 20}
