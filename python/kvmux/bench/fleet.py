@@ -278,6 +278,7 @@ def _run_one(
     """System ``name``'s repeat ``k`` on fresh servers: the result and the
     timeline lines of both instances (warm-up included)."""
     from kvmux.bench import timeline
+    from kvmux.bench.cpu import CpuMeter
     from kvmux.bench.lmcache import LMCacheServer
     from kvmux.bench.redis import RedisServer, resp_adapter
     from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
@@ -296,7 +297,7 @@ def _run_one(
         if shared:
             redis = stack.enter_context(RedisServer(log_dir / f"{tag}-redis.log"))
             extra = ["--l2-adapter", json.dumps(resp_adapter(redis.port))]
-        urls, procs, configs = [], [], []
+        urls, procs, configs, lmcs = [], [], [], []
         for i in range(INSTANCES):
             lmc = LMCacheServer(
                 log_dir / f"{tag}-{i}-lmcache.log",
@@ -305,6 +306,7 @@ def _run_one(
                 extra_args=extra,
             )
             stack.enter_context(lmc)
+            lmcs.append(lmc)
             ktc = serve.system_config(kvmux_system, work.host_gib, lmc.port, str(paths[i]))
             port = free_port()
             log = log_dir / f"{tag}-{i}-server.log"
@@ -319,11 +321,19 @@ def _run_one(
         progress(f"bench fleet: {name} (repeat {k}): healthy in {started:.0f} s; workload")
         asyncio.run(_warm_up(urls, model))
         before = [serve.scrape(u) for u in urls]
+        meter = CpuMeter(
+            {
+                "engines": [p.pid for p, _ in procs],
+                "LMCache servers": [m.proc.pid for m in lmcs if m.proc is not None],
+            }
+            | ({"Redis": [redis.proc.pid]} if redis is not None and redis.proc else {})
+        ).start()
         records, t0, t1 = asyncio.run(serve._drive(urls, model, work, route))
         after = [
             serve._settled(u, b, sum(1 for r in records if r.instance == i))
             for i, (u, b) in enumerate(zip(urls, before, strict=True))
         ]
+        cpu = meter.stop()
         keys = redis.keys() if redis is not None else None
         tls = [timeline.load(p) for p in paths]
     res = serve.summarize(records, t0, t1)
@@ -350,6 +360,7 @@ def _run_one(
     res["start_s"] = started
     res["wall_s"] = time.perf_counter() - t
     res["redis_keys"] = keys
+    res["cpu"] = cpu
     res["timeline_paths"] = [str(p) for p in paths]
     res["routes"] = {f"{r.user}/{r.round}": r.instance for r in records}
     res["ttft_ms_by_request"] = {f"{r.user}/{r.round}": 1e3 * r.ttft for r in records}
@@ -453,6 +464,7 @@ def _compare(report: dict[str, Any]) -> None:
 
 def format_report(report: dict[str, Any]) -> str:
     from kvmux.bench import timeline
+    from kvmux.bench.cpu import format_cpu
 
     w, z, m = report["workload"], report["sizes"], report["model"]
     c = m["config"]
@@ -490,6 +502,9 @@ def format_report(report: dict[str, Any]) -> str:
                     f"device {p['device_prefix_cache']}, host tier {by.get(HOST_TIER, 0)}, "
                     f"LMCache {by.get(LMCACHE, 0)}, recomputed {p['recomputed']}"
                 )
+            c = format_cpu(s.get("cpu"))
+            if c:
+                lines.append(f"{'':20}{c}")
             for e in s["errors"][:3]:
                 lines.append(f"{'':20}error: {e}")
         dec = serve.format_decisions(agg["decisions_by_child"])

@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,22 +308,6 @@ WORKLOADS: dict[str, tuple[ServeWorkload, ServeWorkload]] = {
 def _tail(log: Path, lines: int = 40) -> str:
     text = log.read_text(errors="replace") if log.exists() else ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-@contextlib.contextmanager
-def vllm_server(
-    model: str, flags: Sequence[str], ktc: dict[str, Any] | None, log: Path
-) -> Iterator[str]:
-    """A vLLM API server on a free loopback port; yields its base URL once
-    ``/health`` answers; stopped (its whole process group) on exit."""
-    port = free_port()
-    proc = start_api_server(model, flags, ktc, log, port)
-    url = f"http://{HOST}:{port}"
-    try:
-        wait_healthy(proc, url, log)
-        yield url
-    finally:
-        stop_group(proc)
 
 
 def wait_healthy(proc: Any, url: str, log: Path, start_s: float = START_S) -> None:
@@ -864,6 +848,7 @@ def _run_one(
     """One system, one repeat, on a fresh server: the result and, for a
     ``KvmuxConnector`` system, its timeline's lines of the chat workload."""
     from kvmux.bench import timeline
+    from kvmux.bench.cpu import CpuMeter
 
     sysdef = SYSTEMS[name]
     t = time.perf_counter()
@@ -882,20 +867,29 @@ def _run_one(
             stack.enter_context(lmc)
             port = lmc.port
         ktc = system_config(name, work.host_gib, port, None if tl_path is None else str(tl_path))
-        url = stack.enter_context(
-            vllm_server(model, flags, ktc, log_dir / f"{name}-r{k}-server.log")
-        )
+        log = log_dir / f"{name}-r{k}-server.log"
+        server_port = free_port()
+        proc = start_api_server(model, flags, ktc, log, server_port)
+        stack.callback(stop_group, proc)  # the server's whole process group
+        url = f"http://{HOST}:{server_port}"
+        wait_healthy(proc, url, log)
         started = time.perf_counter() - t
         progress(f"bench serve: {name}: healthy in {started:.0f} s; workload")
         before = scrape(url)
         load_before = os.getloadavg()
+        groups = {"engine": [proc.pid]}
+        if sysdef.lmcache and lmc.proc is not None:
+            groups["LMCache server"] = [lmc.proc.pid]
+        meter = CpuMeter(groups).start()
         records, t0, t1 = asyncio.run(_drive(url, model, work))
         load_after = os.getloadavg()
         after = _settled(url, before, len(records))
+        res_cpu = meter.stop()
         if tl_path is not None:  # the chat workload's lines, before the probes'
             tl = timeline.load(tl_path)
         res = summarize(records, t0, t1)
         res["tokens"] = token_sources(before, after)
+        res["cpu"] = res_cpu
         progress(f"bench serve: {name}: floor probe")
         res["probe"] = asyncio.run(_probe(url, model, work))
         if work.vb_prompts and k == 0:
@@ -1095,6 +1089,8 @@ def _recompute_over_load(report: dict[str, Any]) -> None:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    from kvmux.bench.cpu import format_cpu
+
     w = report["workload"]
     z = report["sizes"]
     m = report["model"]["config"]
@@ -1138,6 +1134,9 @@ def format_report(report: dict[str, Any]) -> str:
             dec = format_decisions(tok.get("kvmux_decision_by_child"))
             if dec and (name.endswith("-cost") or dec.startswith("load decision (declined)")):
                 lines.append(f"{'':22}{dec}")
+            c = format_cpu(s.get("cpu"))
+            if c:
+                lines.append(f"{'':22}{c}")
             for e in s["errors"][:3]:
                 lines.append(f"{'':22}error: {e}")
     lines.append(
