@@ -96,7 +96,7 @@ SYSTEMS: dict[str, str] = {
 DEFAULT = ServeWorkload(think_s=1.0, probes=0, vb_prompts=0)
 #: CI: both systems (four engine start-ups, two at a time) in about 6 minutes.
 QUICK = dataclasses.replace(serve.QUICK, rounds=3, think_s=1.0, probes=0, vb_prompts=0)
-#: ``--workload pays``: the wide model, 4 users x 3 rounds (serve.PAYS).
+#: ``--workload pays``: the wide model, 8 users x 3 rounds (serve.PAYS).
 PAYS = dataclasses.replace(serve.PAYS, probes=0, vb_prompts=0)
 PAYS_QUICK = dataclasses.replace(serve.PAYS_QUICK, rounds=3, probes=0, vb_prompts=0)
 #: The workloads by ``--workload`` name: (full, quick).

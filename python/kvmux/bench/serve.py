@@ -273,12 +273,15 @@ QUICK = ServeWorkload(
     vb_rate=2.0,
 )
 #: ``--workload pays``: the wide model (:data:`~kvmux.bench.tiny_model.PAYS_LLAMA`,
-#: milliseconds of compute per token on two cores, 8 KiB of KV), fewer users,
-#: shorter contexts and a lower rate than the chat workload, so that a
-#: system runs in a few minutes; vLLM's KV cache still holds one
-#: conversation of four, so reuse comes from the tiers.
+#: milliseconds of compute per token on two cores, 8 KiB of KV), shorter
+#: contexts and a lower rate than the chat workload, so that a system runs
+#: in about a minute; vLLM's KV cache holds one conversation of eight, so
+#: reuse comes from the tiers. Eight users, not four: with four (12
+#: requests per run, a third of them cold) the fleet's TTFT p50 sat on the
+#: edge between cold and reuse rounds and one system's repeats spread
+#: 0.21-1.74x; with eight, 0.22-0.24x (benches/RESULTS.md).
 PAYS = ServeWorkload(
-    users=4,
+    users=8,
     system_tokens=64,
     context_tokens=448,
     rounds=3,

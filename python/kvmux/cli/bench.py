@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="chat",
         help="chat: the multi-round chat workload on the serving Llama (default); pays: "
         "a wider Llama (hidden 1024, MLP 4096) where recomputing a prefix costs far more "
-        "than loading it, 4 users x 3 rounds of 512-token contexts",
+        "than loading it, 8 users x 3 rounds of 512-token contexts",
     )
     s.add_argument("--users", type=int, help="users (8; quick: 3)")
     s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
