@@ -13,6 +13,7 @@ request waiting is never worth waiting for.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -144,3 +145,49 @@ def test_the_timeline_says_where_each_requests_time_went(driver_factory, tmp_pat
     assert order == sorted(order), order
     assert 0 <= slow["not_ready_s"] <= t["ready"] - t["first_lookup"] + 1e-6
     assert t["children"][0]["load_tokens"] == 0 and t["children"][0]["load_start"] is None
+
+
+def test_a_rotated_timeline_file_is_followed(driver_factory, tmp_path):
+    """logrotate moves the file away: the next finished request's line goes
+    to a new file at timeline_path, the earlier ones stay in the moved one."""
+    path = tmp_path / "timeline.jsonl"
+    d = driver_factory(mux_config([scripted(matched=0)], timeline_path=str(path)))
+    d.add("before", PROMPT)
+    d.run()
+    path.rename(tmp_path / "timeline.jsonl.1")
+    d.add("after", [9] * 64)
+    d.run()
+
+    def ids(p):
+        return [json.loads(x)["req_id"] for x in p.read_text().splitlines()]
+
+    assert (ids(tmp_path / "timeline.jsonl.1"), ids(path)) == (["before"], ["after"])
+
+
+def test_a_timeline_that_cannot_be_written_never_stops_serving(driver_factory, tmp_path, caplog):
+    """The directory disappears under a running server: requests still
+    finish (every child told, nothing left live), a warning says what and
+    how to fix it, and once the directory is back the lines flow again."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    path = folder / "timeline.jsonl"
+    d = driver_factory(mux_config([scripted(matched=0)], timeline_path=str(path)))
+    d.add("first", PROMPT)
+    d.run()
+    path.unlink()
+    folder.rmdir()
+    with caplog.at_level(logging.WARNING, logger="kvmux"):
+        for k in range(2):
+            d.add(f"lost{k}", [5 + k] * 64)
+            d.run()
+        child = d.connector.children[0]
+        assert ("finished", "lost0") in child.calls and ("finished", "lost1") in child.calls
+        assert d.connector.num_live_requests() == 0
+        failed = [r.getMessage() for r in caplog.records if "cannot append" in r.getMessage()]
+        assert len(failed) == 1, failed  # once, not per request
+        assert str(path) in failed[0] and "Fix:" in failed[0]
+        folder.mkdir()
+        d.add("back", [8] * 64)
+        d.run()
+    assert [json.loads(x)["req_id"] for x in path.read_text().splitlines()] == ["back"]
+    assert any("2 timelines were dropped" in r.getMessage() for r in caplog.records)

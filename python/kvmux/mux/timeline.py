@@ -29,12 +29,15 @@ times are epoch seconds on the clock of vLLM's ``Request.arrival_time``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 __all__ = ["TimelineFile", "timeline_problem"]
+
+logger = logging.getLogger("kvmux")
 
 
 def timeline_problem(path: str) -> str | None:
@@ -53,17 +56,74 @@ def timeline_problem(path: str) -> str | None:
 
 class TimelineFile:
     """Appends timelines to ``path``, one JSON line each, opened on first
-    use and flushed per call (a server stopped by a signal loses none)."""
+    use and flushed per call (a server stopped by a signal loses none).
+
+    A diagnostic file never stops serving. When ``path`` is moved or removed
+    (logrotate), the next write reopens it, so the lines go to the new file.
+    When a write fails (disk full, directory gone), the lines are dropped,
+    a warning says where and how many, and the next write tries again.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.dropped = 0
         self._lock = threading.Lock()
         self._file: Any = None
+        self._failing = False
 
     def write(self, timelines: list[dict[str, Any]]) -> None:
         text = "".join(json.dumps(t, separators=(",", ":")) + "\n" for t in timelines)
         with self._lock:
-            if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-            self._file.write(text)
-            self._file.flush()
+            try:
+                if self._file is not None and self._moved():
+                    self._close()
+                if self._file is None:
+                    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+                    if self._failing and self._ends_mid_line():
+                        text = "\n" + text  # a failed write's partial line stays its own
+                self._file.write(text)
+                self._file.flush()
+            except OSError as e:
+                self._close()
+                self.dropped += len(timelines)
+                if not self._failing:
+                    self._failing = True
+                    logger.warning(
+                        "kvmux: cannot append to timeline_path %r (%s); dropping finished "
+                        "requests' timelines until it works again (serving goes on). Fix: "
+                        "free space or restore the directory, or remove timeline_path",
+                        self.path,
+                        e,
+                    )
+                return
+            if self._failing:
+                self._failing = False
+                logger.warning(
+                    "kvmux: timeline_path %r is written again; %d timelines were dropped",
+                    self.path,
+                    self.dropped,
+                )
+
+    def _moved(self) -> bool:
+        """The open file is no longer the one at ``path`` (rotated away)."""
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        mine = os.fstat(self._file.fileno())
+        return (at_path.st_dev, at_path.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def _ends_mid_line(self) -> bool:
+        with open(self.path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+
+    def _close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # its buffered lines are counted as dropped by the caller
