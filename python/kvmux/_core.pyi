@@ -173,7 +173,9 @@ class SchedulerMux:
         being ``{"children": {name: stats}, "kvmux": counters}``, the
         counters at most once per ``stats_every_s`` and when idle, and at
         once when a breaker changed state (``counters["breaker_state"]``:
-        child name -> 0 closed, 1 half open, 2 open)."""
+        child name -> 0 closed, 1 half open, 2 open); with the counters,
+        ``counters["load_decision"]``: what the load decision learned, as in
+        ``stats()``."""
     def chosen(self, req_id: str) -> int | None:
         """The child chosen to load a request, if any."""
     def get_external_cache_hit_sources(
@@ -189,7 +191,11 @@ class SchedulerMux:
     def stats(self) -> dict[str, Any]:
         """Cumulative counters plus ``live_requests`` and ``breakers``
         (child name -> ``"closed"``, ``"open"`` or ``"half_open"``, for the
-        children that have one)."""
+        children that have one); ``load_decision`` when it measures
+        (``load_decision: "cost"`` or a ``timeline_path``):
+        ``{"compute_s_per_token": x, "children": {name: {"load_s": a,
+        "load_s_per_token": b, "not_ready_wait_s": w}}}``, each key once
+        measured."""
     def __len__(self) -> int: ...
 
 @final

@@ -17,9 +17,12 @@ import logging
 import time
 
 import pytest
+from prometheus_client import REGISTRY
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvmux import KvmuxConfigError
 from kvmux.mux.config import parse_mux_config
+from kvmux.mux.stats import KvmuxStats
 from tests.support.harness import mux_config, scripted
 
 PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks
@@ -191,3 +194,54 @@ def test_a_timeline_that_cannot_be_written_never_stops_serving(driver_factory, t
         d.run()
     assert [json.loads(x)["req_id"] for x in path.read_text().splitlines()] == ["back"]
     assert any("2 timelines were dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_what_the_decision_learned_is_in_mux_stats_and_prometheus(driver_factory):
+    """An operator sees why spans are declined: the engine's compute per
+    token and each child's load and not-ready wait, as the decision has
+    learned them, in mux_stats() and as Prometheus gauges."""
+    cfg = mux_config(
+        [scripted(matched=0), scripted(matched=48, load_async=True, not_ready=1)],
+        load_decision="cost",
+    )
+    d = driver_factory(cfg)
+    for k in range(5):
+        d.add(f"r{k}", [20 + k] * 48 + list(range(400, 416)))
+        d.run()
+    learned = d.connector.mux_stats()["load_decision"]
+    assert learned["compute_s_per_token"] > 0
+    slow = learned["children"]["ScriptedConnector#1"]
+    assert slow["load_s"] + slow["load_s_per_token"] * 48 > 0
+    assert slow["not_ready_wait_s"] > 0
+    assert "ScriptedConnector#0" not in learned["children"]  # never loaded nor waited for
+    # The same values reach vLLM's stats (gauges: the latest report wins,
+    # never summed over reports) and Prometheus.
+    seen = KvmuxStats()
+    reports = [p for p in d.kv_stats if (p.get("kvmux") or {}).get("load_decision")]
+    assert reports
+    for payload in d.kv_stats:
+        seen.aggregate(KvmuxStats.rebuild(payload))
+    last = reports[-1]["kvmux"]["load_decision"]
+    assert seen.counters["load_decision"] == last
+    prom = KVConnectorProm(d.vllm_config, ["model_name", "engine"], {0: ["tiny", 0]})
+    for payload in d.kv_stats:
+        prom.observe(payload, engine_idx=0)
+    engine = {"model_name": "tiny", "engine": "0"}
+    sample = REGISTRY.get_sample_value
+    assert sample("kvmux_load_decision_compute_seconds_per_token", engine) == pytest.approx(
+        last["compute_s_per_token"]
+    )
+    child = {**engine, "connector": "ScriptedConnector#1"}
+    for key, name in [
+        ("load_s_per_token", "kvmux_load_decision_load_seconds_per_token"),
+        ("not_ready_wait_s", "kvmux_load_decision_not_ready_wait_seconds"),
+    ]:
+        assert sample(name, child) == pytest.approx(last["children"]["ScriptedConnector#1"][key])
+
+
+def test_with_the_decision_off_and_no_timeline_nothing_is_learned(driver_factory):
+    d = driver_factory(mux_config([scripted(matched=48, load_async=True)]))
+    d.add("r", PROMPT)
+    d.run()
+    assert "load_decision" not in d.connector.mux_stats()
+    assert not any((p.get("kvmux") or {}).get("load_decision") for p in d.kv_stats)

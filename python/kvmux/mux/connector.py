@@ -185,7 +185,10 @@ class KvmuxConnector(KVConnectorBase_V1, SupportsHMA):
         timeouts, breaker openings, completions...; finished requests, extra
         cached tokens, clashes, live requests, pending async saves; and
         ``breakers``: each child's breaker state (``"closed"``, ``"open"``,
-        ``"half_open"``)."""
+        ``"half_open"``); ``load_decision`` (scheduler side, when it
+        measures): what the load decision has learned, the engine's
+        ``compute_s_per_token`` and per child ``load_s``,
+        ``load_s_per_token`` and ``not_ready_wait_s``."""
         side = self._scheduler or self._worker
         if side is None:  # pragma: no cover - one side is always built
             raise RuntimeError("kvmux connector has no side")

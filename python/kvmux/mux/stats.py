@@ -41,7 +41,11 @@ __all__ = [
     "CHILD_METRICS",
     "CLASHES",
     "FOLDED_INTO_CLASHES",
+    "GAUGES",
     "INTERVAL_TOTALS",
+    "LOAD_DECISION",
+    "LOAD_DECISION_CHILD_GAUGES",
+    "LOAD_DECISION_COMPUTE_GAUGE",
     "METRICS",
     "TIER_GROUP_GAUGE",
     "TIER_METRICS",
@@ -50,6 +54,7 @@ __all__ = [
     "KvmuxStats",
     "build_child_stats",
     "nested_add",
+    "nested_replace",
 ]
 
 logger = logging.getLogger("kvmux")
@@ -66,6 +71,36 @@ BREAKER_GAUGE = (
     "kvmux_breaker_state",
     "A child's circuit breaker: 0 closed, 1 half open (one request probes it), 2 open.",
 )
+
+
+#: The key of what the load decision has learned in the scheduler's
+#: interval counters and in ``mux_stats()``: ``{"compute_s_per_token": x,
+#: "children": {name: {"load_s": a, "load_s_per_token": b,
+#: "not_ready_wait_s": w}}}`` (each once measured). Gauges: the latest
+#: report wins.
+LOAD_DECISION = "load_decision"
+#: Its Prometheus gauges, by key: the engine's (no label), then each
+#: child's (label ``connector``).
+LOAD_DECISION_COMPUTE_GAUGE = (
+    "kvmux_load_decision_compute_seconds_per_token",
+    "What the load decision learned the engine pays to compute one prompt token.",
+)
+LOAD_DECISION_CHILD_GAUGES: dict[str, tuple[str, str]] = {
+    "load_s": (
+        "kvmux_load_decision_load_seconds",
+        "What the load decision learned a child's load costs per request (the fixed part).",
+    ),
+    "load_s_per_token": (
+        "kvmux_load_decision_load_seconds_per_token",
+        "What the load decision learned a child's load costs per token.",
+    ),
+    "not_ready_wait_s": (
+        "kvmux_load_decision_not_ready_wait_seconds",
+        "What the load decision learned a request waits for a child answering not ready.",
+    ),
+}
+#: The counters' keys whose values are gauges (replaced, not added).
+GAUGES = (BREAKER_STATE, LOAD_DECISION)
 
 
 #: A child's tier gauges (the host tier's ``tier.<gauge>`` stats, see
@@ -107,12 +142,23 @@ def _tier_gauges(data: Mapping[str, Any]) -> list[tuple[str, str | None, Any]]:
     return out
 
 
-def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
-    """Add ``src``'s ints into ``dst`` (recursively, in place); the breakers'
-    states (:data:`BREAKER_STATE`) are replaced by the later ones."""
+def nested_replace(dst: Nested, src: Mapping[str, Any]) -> Nested:
+    """Copy ``src`` into ``dst`` (recursively, in place): the later wins."""
     for k, v in src.items():
-        if k == BREAKER_STATE and isinstance(v, Mapping):
-            dst[k] = {**dst.get(k, {}), **v}
+        if isinstance(v, Mapping):
+            nested_replace(dst.setdefault(k, {}), v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def nested_add(dst: Nested, src: Mapping[str, Any]) -> Nested:
+    """Add ``src``'s numbers into ``dst`` (recursively, in place); gauges
+    (:data:`GAUGES`: the breakers' states, what the load decision learned)
+    are replaced by the later ones."""
+    for k, v in src.items():
+        if k in GAUGES and isinstance(v, Mapping):
+            nested_replace(dst.setdefault(k, {}), v)
         elif isinstance(v, Mapping):
             nested_add(dst.setdefault(k, {}), v)
         elif isinstance(v, int | float) and not isinstance(v, bool):
@@ -402,6 +448,13 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         self._breaker_gauge = self._registered(
             self._gauge_cls, *BREAKER_GAUGE, [*labelnames, "connector"]
         )
+        self._decision_compute_gauge = self._registered(
+            self._gauge_cls, *LOAD_DECISION_COMPUTE_GAUGE, labelnames
+        )
+        self._decision_child_gauges = {
+            key: self._registered(self._gauge_cls, name, doc, [*labelnames, "connector"])
+            for key, (name, doc) in LOAD_DECISION_CHILD_GAUGES.items()
+        }
         self._tier_gauges = {
             key: self._registered(self._gauge_cls, name, doc, [*labelnames, "connector"])
             for key, (name, doc) in TIER_METRICS.items()
@@ -456,6 +509,15 @@ class KvmuxPromMetrics(KVConnectorPromMetrics):
         for child, state in (counters.get(BREAKER_STATE) or {}).items():
             if isinstance(state, int | float):
                 self._breaker_gauge.labels(*engine_labels, str(child)).set(state)
+        learned = counters.get(LOAD_DECISION) or {}
+        compute = learned.get("compute_s_per_token")
+        if isinstance(compute, int | float):
+            self._decision_compute_gauge.labels(*engine_labels).set(compute)
+        for child, values in (learned.get("children") or {}).items():
+            for key, value in values.items():
+                gauge = self._decision_child_gauges.get(key)
+                if gauge is not None and isinstance(value, int | float):
+                    gauge.labels(*engine_labels, str(child)).set(value)
         for name, entry in (transfer_stats_data.get("children") or {}).items():
             if not isinstance(entry, Mapping):
                 continue

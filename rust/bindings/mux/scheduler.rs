@@ -831,6 +831,13 @@ impl PySchedulerMux {
             )?),
             _ => None,
         };
+        // With the interval's counters: what the load decision has learned
+        // (gauges: the latest report wins).
+        if let Some(counters) = &counters {
+            if let Some(learned) = learned_dict(py, &self.core)? {
+                counters.set_item(intern!(py, "load_decision"), learned)?;
+            }
+        }
         // A breaker changed state: its gauge is reported now.
         if let Some(states) = self.core.take_breaker_changes() {
             let gauge = PyDict::new(py);
@@ -946,6 +953,9 @@ impl PySchedulerMux {
             }
         }
         out.set_item("breakers", breakers)?;
+        if let Some(learned) = learned_dict(py, &self.core)? {
+            out.set_item("load_decision", learned)?;
+        }
         Ok(out)
     }
 
@@ -953,6 +963,36 @@ impl PySchedulerMux {
     fn __len__(&self) -> usize {
         self.core.live_requests()
     }
+}
+
+/// What the load decision has learned, as `{"compute_s_per_token": x,
+/// "children": {name: {"load_s": a, "load_s_per_token": b,
+/// "not_ready_wait_s": w}}}`, each key only once measured; None when
+/// nothing is measured (`load_decision: "always"` without `timeline_path`).
+fn learned_dict<'py>(py: Python<'py>, core: &SchedulerMux) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let Some(learned) = core.learned() else {
+        return Ok(None);
+    };
+    let out = PyDict::new(py);
+    if let Some(x) = learned.compute_per_token {
+        out.set_item(intern!(py, "compute_s_per_token"), x)?;
+    }
+    let children = PyDict::new(py);
+    for (i, (load, wait)) in learned.load.iter().zip(&learned.wait).enumerate() {
+        let child = PyDict::new(py);
+        if let Some((per_request, per_token)) = load {
+            child.set_item(intern!(py, "load_s"), per_request)?;
+            child.set_item(intern!(py, "load_s_per_token"), per_token)?;
+        }
+        if let Some(w) = wait {
+            child.set_item(intern!(py, "not_ready_wait_s"), w)?;
+        }
+        if !child.is_empty() {
+            children.set_item(core.name(i), child)?;
+        }
+    }
+    out.set_item(intern!(py, "children"), children)?;
+    Ok(Some(out))
 }
 
 /// A finished request's timeline as the dict `timeline_path`'s lines hold
