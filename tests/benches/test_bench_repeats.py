@@ -117,3 +117,63 @@ def test_fleet_aggregates_repeats_into_paired_medians():
     # Five runs against l1-only's first; one answer of one run differs.
     assert report["outputs_match"] == {"reference": "l1-only r0", "matched": 9, "total": 10}
     assert report["cross_instance_hit_tokens"] == {"shared-l2-cost": 20, "l1-only": 20}
+
+
+KV_PER_TOKEN = 8 * 1024  # SERVE_LLAMA: 8 layers x 2 KV heads x 64 x float32 x (K, V)
+
+
+def test_tier_workloads_are_sized_for_their_purpose():
+    """host-fits and spill make vLLM's KV cache the bottleneck (it holds
+    less than the users' conversations); host-fits' host tier holds them
+    all, spill's less than half (so a second tier has something to serve)."""
+    for name, want in (("host-fits", "first-only"), ("spill", "second-serves")):
+        for w in serve.WORKLOADS[name]:
+            assert w.purpose == want
+            working = w.users * w.conversation_tokens
+            assert w.gpu_blocks * serve.BLOCK_SIZE < working
+            host_tokens = w.host_gib * 2**30 / KV_PER_TOKEN
+            if want == "first-only":
+                assert host_tokens > working
+            else:
+                assert host_tokens < working / 2
+    with pytest.raises(ValueError, match="purpose"):
+        serve.ServeWorkload(purpose="everything")
+
+
+def _sys(connector: int, by_child: dict[str, int] | None = None) -> dict[str, Any]:
+    tok: dict[str, Any] = {"connector": connector}
+    if by_child is not None:
+        tok["kvmux_loaded_by_child"] = by_child
+    return {"repeats": [{"repeat": 0, "tokens": tok}]}
+
+
+def _purpose(purpose: str, systems: dict[str, Any]) -> dict[str, Any]:
+    return serve.check_purpose({"workload": {"purpose": purpose}, "systems": systems})
+
+
+def test_check_purpose_names_each_miss():
+    both = {"KvmuxHostCache": 900, "LMCacheMPConnector": 0}
+    ok = _purpose(
+        "first-only", {"vllm": _sys(0), "host": _sys(900), "kvmux-first": _sys(900, both)}
+    )
+    assert ok["reached"] and ok["misses"] == []
+    assert serve.format_purpose(ok) == [
+        "workload purpose (first-only): reached in every system and repeat"
+    ]
+    # The second tier served on host-fits; the host tier alone served nothing.
+    spilled = {"KvmuxHostCache": 600, "LMCacheMPConnector": 300}
+    bad = _purpose("first-only", {"host": _sys(0), "kvmux-first": _sys(900, spilled)})
+    assert not bad["reached"]
+    assert any(m.startswith("host repeat 0: its tiers served no token") for m in bad["misses"])
+    assert any("second tier served 300 tokens" in m for m in bad["misses"])
+    text = serve.format_purpose(bad)
+    assert text[0].startswith("WORKLOAD MISSED ITS PURPOSE (first-only)")
+    # spill: the second tier must serve.
+    assert _purpose("second-serves", {"kvmux-first": _sys(900, spilled)})["reached"]
+    nothing = _purpose("second-serves", {"kvmux-first": _sys(900, both)})
+    assert nothing["misses"] == [
+        "kvmux-first repeat 0: the second tier served no token (the host tier was meant "
+        "to lose part of the working set)"
+    ]
+    # chat/pays ("tiers"): only that the tiers served.
+    assert _purpose("tiers", {"kvmux-first": _sys(900, spilled)})["reached"]

@@ -85,3 +85,12 @@ def test_bench_with_the_overhead_flags_says_where_they_moved(flags, named):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{named}: flags of the overhead comparisons, which moved" in proc.stderr
     assert "python -m benches.overhead" in proc.stderr
+
+
+def test_bench_fleet_refuses_a_serve_only_workload_with_the_choices():
+    """``--workload host-fits`` / ``spill`` are bench serve's; fleet names
+    the workloads it runs instead of failing with a KeyError."""
+    proc = run("-m", "kvmux", "bench", "fleet", "--workload", "spill", "--quick")
+    assert proc.returncode != 0
+    assert "bench fleet: --workload spill is a bench serve workload" in proc.stderr
+    assert "fleet runs chat, pays" in proc.stderr

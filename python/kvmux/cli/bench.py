@@ -82,11 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--workload",
-        choices=["chat", "pays"],
+        choices=["chat", "pays", "host-fits", "spill"],
         default="chat",
         help="chat: the multi-round chat workload on the serving Llama (default); pays: "
         "a wider Llama (hidden 1024, MLP 4096) where recomputing a prefix costs far more "
-        "than loading it, 8 users x 3 rounds of 512-token contexts",
+        "than loading it, 8 users x 3 rounds of 512-token contexts; serve only: host-fits "
+        "(vLLM's KV cache the bottleneck, every reuse fits the host tier: a second tier "
+        "never serves) and spill (the host tier holds 40%% of the conversations: the "
+        "second tier serves what it lost)",
     )
     s.add_argument("--users", type=int, help="users (8; quick: 3)")
     s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
@@ -166,6 +169,11 @@ def run_fleet(args: argparse.Namespace) -> int:
 
     from kvmux.bench import fleet, serve
 
+    if args.workload not in fleet.WORKLOADS:
+        raise SystemExit(
+            f"bench fleet: --workload {args.workload} is a bench serve workload; "
+            f"fleet runs {', '.join(fleet.WORKLOADS)}"
+        )
     full, quick = fleet.WORKLOADS[args.workload]
     work = _workload(quick if args.quick else full, args, "fleet")
     systems = _systems(args, fleet.SYSTEMS, "fleet")
