@@ -168,8 +168,9 @@ def test_check_purpose_names_each_miss():
     assert any("second tier served 300 tokens" in m for m in bad["misses"])
     text = serve.format_purpose(bad)
     assert text[0].startswith("WORKLOAD MISSED ITS PURPOSE (first-only)")
-    # spill: the second tier must serve.
-    assert _purpose("second-serves", {"kvmux-first": _sys(900, spilled)})["reached"]
+    # spill: the second tier must serve; the host tier alone may lose it all.
+    lost = {"host": _sys(0), "kvmux-first": _sys(900, spilled)}
+    assert _purpose("second-serves", lost)["reached"]
     nothing = _purpose("second-serves", {"kvmux-first": _sys(900, both)})
     assert nothing["misses"] == [
         "kvmux-first repeat 0: the second tier served no token (the host tier was meant "
