@@ -178,3 +178,37 @@ def test_check_purpose_names_each_miss():
     ]
     # chat/pays ("tiers"): only that the tiers served.
     assert _purpose("tiers", {"kvmux-first": _sys(900, spilled)})["reached"]
+
+
+def test_always_systems_run_vllms_behaviour():
+    """``kvmux-first-always`` (and fleet's ``shared-l2-always``, through
+    ``kvmux-compose-always``): every load taken and every child saving every
+    request, what the defaults are compared against."""
+    for name, policy in (("kvmux-first-always", "first"), ("kvmux-compose-always", "compose")):
+        cfg = serve.system_config(name, 1.0, 5555)
+        assert cfg is not None
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["load_policy"] == policy and extra["load_decision"] == "always"
+        assert [c["save_policy"] for c in extra["connectors"]] == ["always", "always"]
+    default = serve.system_config("kvmux-first", 1.0, 5555)
+    assert default is not None
+    assert all("save_policy" not in c for c in default["kv_connector_extra_config"]["connectors"])
+    assert "kvmux-first-always" in serve.SYSTEMS and "shared-l2-always" in fleet.SYSTEMS
+
+
+def test_fleet_cross_instance_ratio_default_over_always():
+    same = {"0/0": [1, 2]}
+    ci = {"available_tokens": 100}
+    runs = {
+        n: [
+            _run(k, 100, 100, 100, same) | {"cross_instance": {**ci, "hit_tokens": h}}
+            for k in range(3)
+        ]
+        for n, h in (("shared-l2", 90), ("shared-l2-always", 100), ("l1-only", 0))
+    }
+    empty = {"all": {"compute_s_per_token": None, "children": {}}}
+    report: dict[str, Any] = {
+        "systems": {n: {**fleet._aggregate(n, r), "breakdown": empty} for n, r in runs.items()}
+    }
+    fleet._compare(report)
+    assert report["ratios"]["shared-l2/shared-l2-always cross-instance hit tokens"] == 0.9

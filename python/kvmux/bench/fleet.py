@@ -88,6 +88,8 @@ POLICY = "compose"
 SYSTEMS: dict[str, str] = {
     "shared-l2": "two instances, each LMCache's L2 on one shared Redis",
     "shared-l2-cost": "shared-l2 with kvmux's load_decision cost",
+    "shared-l2-always": "shared-l2 with vLLM's behaviour (load_decision always, "
+    "every child save_policy always)",
     "l1-only": "two instances, each LMCache with its own L1 only",
 }
 
@@ -284,7 +286,8 @@ def _run_one(
     from kvmux.bench.server import HOST, free_port, start_api_server, stop_group
 
     shared = name.startswith("shared-l2")
-    kvmux_system = f"kvmux-{POLICY}-cost" if name.endswith("-cost") else f"kvmux-{POLICY}"
+    suffix = name.rsplit("-", 1)[1] if name.startswith("shared-l2-") else ""
+    kvmux_system = f"kvmux-{POLICY}-{suffix}" if suffix else f"kvmux-{POLICY}"
     tag = f"{name}-r{k}"
     progress(f"bench fleet: {name} (repeat {k}): starting {INSTANCES} instances")
     t = time.perf_counter()
@@ -447,6 +450,13 @@ def _compare(report: dict[str, Any]) -> None:
     report["cross_instance_hit_tokens"] = {
         n: int(statistics.median(r["cross_instance_hit_tokens"])) for n, r in s.items()
     }
+    # What kvmux's save admission and wait rule (the defaults) keep of the
+    # cross-instance hits vLLM's behaviour gets (every child saving everything).
+    x = report["cross_instance_hit_tokens"]
+    if x.get("shared-l2-always"):
+        ratios["shared-l2/shared-l2-always cross-instance hit tokens"] = (
+            x.get("shared-l2", 0) / x["shared-l2-always"]
+        )
     report["recompute_over_load"] = {
         n: {
             "compute_ms_per_token": None

@@ -92,6 +92,12 @@ SYSTEMS: dict[str, System] = {
             "KvmuxConnector [KvmuxHostCache, LMCache] compose, load_decision cost",
             True,
         ),
+        System(
+            "kvmux-first-always",
+            "KvmuxConnector [KvmuxHostCache, LMCache] first, vLLM's behaviour "
+            "(load_decision always, every child save_policy always)",
+            True,
+        ),
     )
 }
 #: Cannot run on this machine at all, with why.
@@ -153,11 +159,16 @@ def system_config(
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": children},
         }
-    # kvmux-first, kvmux-compose, and with "-cost": load_decision cost.
+    # kvmux-first, kvmux-compose (the defaults), with "-cost": load_decision
+    # cost; with "-always": vLLM's behaviour (every load taken, every child
+    # saving every request).
     parts = name.split("-")
     extra: dict[str, Any] = {"connectors": children, "load_policy": parts[1]}
     if parts[2:] == ["cost"]:
         extra["load_decision"] = "cost"
+    elif parts[2:] == ["always"]:
+        extra["load_decision"] = "always"
+        extra["connectors"] = [{**c, "save_policy": "always"} for c in children]
     elif parts[2:]:
         raise ValueError(f"unknown system {name!r}")
     return {
@@ -1129,6 +1140,8 @@ TTFT_RATIOS = (
     ("kvmux-first-cost/host ttft p50", "kvmux-first-cost", "host", "p50"),
     ("kvmux-compose-cost/host ttft p50", "kvmux-compose-cost", "host", "p50"),
     ("kvmux-first-cost/kvmux-first ttft p50", "kvmux-first-cost", "kvmux-first", "p50"),
+    ("kvmux-first-always/host ttft p50", "kvmux-first-always", "host", "p50"),
+    ("kvmux-first/kvmux-first-always ttft p50", "kvmux-first", "kvmux-first-always", "p50"),
     ("kvmux-compose-cost/kvmux-compose ttft p50", "kvmux-compose-cost", "kvmux-compose", "p50"),
 )
 
