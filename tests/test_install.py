@@ -41,7 +41,8 @@ def install_block(text: str) -> list[str]:
 
 def clean_copy(dest: Path) -> Path:
     """What a clone holds: the files git tracks, plus those not yet committed
-    that it does not ignore."""
+    that it does not ignore; written now, as a clone's are (so cargo builds
+    the crate from them rather than taking it for the one it built here)."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -52,7 +53,7 @@ def clean_copy(dest: Path) -> Path:
         src = ROOT / os.fsdecode(name)
         if src.is_file():  # a deleted file git still tracks is not copied
             (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / os.fsdecode(name))
+            shutil.copy(src, dest / os.fsdecode(name))
     return dest
 
 
