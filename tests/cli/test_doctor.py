@@ -258,3 +258,26 @@ def test_doctor_prints_the_source_each_childs_hits_are_counted_under(lmcache_run
     assert "its own split by source" in lines["child OffloadingConnector"]
     rep = diagnose(HOST)
     assert rep.children[0]["hit_source"] == 'source="host"'
+
+
+def test_doctor_says_where_example_connector_keeps_each_models_files(tmp_path):
+    """One folder per model under ``shared_storage_path`` (issue 46), and a
+    warning when the path is not set (vLLM's default, /tmp)."""
+    unset = diagnose(GOOD)
+    (files,) = [c for c in unset.children if c["name"] == "ExampleConnector"]
+    assert files["storage"].startswith("/tmp/kvmux-<model>-<digest>: one folder per model")
+    assert any("shared_storage_path is not set" in w for w in unset.warnings), unset.warnings
+    ex = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": "/srv/kv"},
+    }
+    set_ = diagnose({**GOOD, "kv_connector_extra_config": {"connectors": [HOST, ex]}})
+    assert set_.ok and set_.warnings == [], set_.warnings
+    (files,) = [c for c in set_.children if c["name"] == "ExampleConnector"]
+    assert files["storage"].startswith("/srv/kv/kvmux-<model>-<digest>")
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(GOOD))
+    out = doctor(str(path)).stdout
+    assert "    files: /tmp/kvmux-<model>-<digest>: one folder per model" in out
+    assert "warning: ExampleConnector: shared_storage_path is not set" in out

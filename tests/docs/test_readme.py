@@ -57,7 +57,9 @@ def test_the_readme_is_a_front_door_that_links_every_page_of_the_manual():
     quick start, a map) and every page of ``docs/`` is reachable from it, as
     every relative link in the README and the pages resolves to a file."""
     text = PAGES[0].read_text()
-    assert len(text.splitlines()) <= 250, "the README grew past a front door: move it to docs/"
+    # 280: the front door holds the demo, the install line and the serving
+    # steps a newcomer runs without docs/ (issue 46), each tested as written.
+    assert len(text.splitlines()) <= 280, "the README grew past a front door: move it to docs/"
     for page in PAGES[1:]:
         assert f"(docs/{page.name})" in text, f"the README's map does not link docs/{page.name}"
     for page in PAGES:

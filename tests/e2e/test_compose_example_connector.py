@@ -108,13 +108,15 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[Out]:
 
 def _zero_stored_tokens(storage: Path, prompt: list[int], lo: int, hi: int) -> int:
     """Zero tokens [lo, hi) of what ExampleConnector stored for ``prompt``, in
-    every layer's file; its folder found by its own naming code."""
+    every layer's file; its folder found by its own naming code, under the
+    model's own folder kvmux gives it (``kvmux.mux.example_storage``)."""
     import safetensors.torch
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
+    (model_folder,) = storage.glob("kvmux-*")  # one model here
     folder = ExampleConnector._generate_foldername_debug(
-        SimpleNamespace(_storage_path=str(storage)), torch.tensor(prompt[:EXAMPLE_SPAN]), []
+        SimpleNamespace(_storage_path=str(model_folder)), torch.tensor(prompt[:EXAMPLE_SPAN]), []
     )
     files = sorted(Path(folder).glob("*.safetensors"))
     for f in files:

@@ -2,10 +2,12 @@
 0.32, the tiny model) as a user would: the ``--kv-transfer-config`` is read
 from README.md (``tests/support/readme_configs.py``), with the block's other ``vllm
 serve`` flags; only the LMCache server's port, ExampleConnector's storage
-path and the host tier's capacity are swapped for the test's own. Nothing
-else is added: vLLM's defaults throughout, the hybrid KV cache manager
-included. Blocks with LMCache run against a real LMCache MP server on
-loopback (LMCache 0.5.6 in this environment; see requirements).
+path and the host tier's capacity are swapped for the test's own. The
+engine is sized for the tiny model on a CPU (``kvmux.cli.engine``:
+``VLLM_CPU_KVCACHE_SPACE=1``, float32, max_model_len 256, eager, 32-token
+blocks, as the README says); everything else is vLLM's default, the hybrid
+KV cache manager included. Blocks with LMCache run against a real LMCache MP
+server on loopback (LMCache 0.5.6 in this environment; see requirements).
 
 Each runs the same prompts three times: pass 1 computes and stores; after
 vLLM's prefix cache is reset, pass 2 loads the shared prefixes from the host

@@ -27,6 +27,8 @@ README = ROOT / "README.md"
 PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 
 _MARKER = re.compile(r"^[ \t]*<!-- kvmux-config: (?P<id>[\w-]+) -->[ \t]*\n", re.M)
+#: A block of commands the tests run as written (the README's serving steps).
+_SERVE_MARKER = re.compile(r"^[ \t]*<!-- kvmux-serve: (?P<id>[\w-]+) -->[ \t]*\n", re.M)
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
 )
@@ -85,13 +87,53 @@ def readme_configs(pages: tuple[Path, ...] = PAGES) -> dict[str, ReadmeConfig]:
     return out
 
 
+@dataclass(frozen=True)
+class ServeBlock:
+    """A ``bash`` block under ``<!-- kvmux-serve: ID -->``: commands a test
+    runs as written (``tests/e2e/test_readme_serve.py``)."""
+
+    id: str
+    body: str
+    line: int
+    page: str
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` its commands pass (the block must have one)."""
+        words = shlex.split(self.body.replace("\\\n", " "), comments=True)
+        return json.loads(words[words.index("--kv-transfer-config") + 1])
+
+
+def serve_blocks(pages: tuple[Path, ...] = PAGES) -> dict[str, ServeBlock]:
+    """Every ``kvmux-serve`` block, by ID."""
+    out: dict[str, ServeBlock] = {}
+    for path in pages:
+        text = path.read_text()
+        page = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        for m in _SERVE_MARKER.finditer(text):
+            fence = _FENCE.match(text, m.end())
+            if fence is None or fence.group("lang") != "bash":
+                raise ValueError(
+                    f"{page}: marker {m.group('id')!r} is not followed by a bash block"
+                )
+            if m.group("id") in out:
+                raise ValueError(f"{page}: serve marker {m.group('id')!r} is used twice")
+            line = text.count("\n", 0, fence.start()) + 1
+            out[m.group("id")] = ServeBlock(m.group("id"), fence.group("body"), line, page)
+    return out
+
+
 def unmarked_blocks(pages: tuple[Path, ...] = PAGES) -> list[str]:
-    """``page:line`` of every code block that holds a connector config but no marker."""
+    """``page:line`` of every code block that holds a connector config but no
+    marker (a ``kvmux-config`` one, or ``kvmux-serve`` for commands run as written)."""
     found: list[str] = []
     for path in pages:
         text = path.read_text()
         marked = {
-            fence.start() for m in _MARKER.finditer(text) if (fence := _FENCE.match(text, m.end()))
+            fence.start()
+            for marker in (_MARKER, _SERVE_MARKER)
+            for m in marker.finditer(text)
+            if (fence := _FENCE.match(text, m.end()))
         }
         found += [
             f"{path.name}:{text.count(chr(10), 0, start) + 1}"

@@ -143,6 +143,7 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
                 "load_timeout_ms": spec.load_timeout_ms,
                 "breaker": None if spec.breaker is None else asdict(spec.breaker),
                 "hit_source": hit_source(spec.cls),
+                **_example_storage(rep, spec.name, spec.cls, spec.transfer_config),
             }
         )
     if disable_hma:
@@ -163,6 +164,27 @@ def diagnose(raw: Any, model: ModelKV | None = None, disable_hma: bool = False) 
     except Exception as e:  # a child needs more than a bare config to answer
         rep.warnings.append(f"KV cache layout requirement unknown: {type(e).__name__}: {e}")
     return rep
+
+
+def _example_storage(rep: Report, name: str, cls: type, ktc: Any) -> dict[str, str]:
+    """Where vLLM's ``ExampleConnector`` child keeps its files under kvmux (one
+    folder per model: ``kvmux.mux.example_storage``); a warning when its
+    ``shared_storage_path`` is not set (vLLM's default, ``/tmp``)."""
+    from kvmux.mux.example_storage import DEFAULT_PATH, is_example_connector
+
+    if not is_example_connector(cls):
+        return {}
+    path = ktc.get_from_extra_config("shared_storage_path", None)
+    if not path:
+        rep.warnings.append(
+            f"{name}: shared_storage_path is not set, so its files go under {DEFAULT_PATH} "
+            "(vLLM's default), beside whatever else is there; set "
+            'kv_connector_extra_config {"shared_storage_path": "<a folder of its own>"}'
+        )
+    return {
+        "storage": f"{path or DEFAULT_PATH}/kvmux-<model>-<digest>: one folder per model "
+        "(its files are named by the prompt's tokens alone; kvmux keeps models apart)"
+    }
 
 
 def hit_source(cls: type) -> str:

@@ -171,6 +171,8 @@ def _print(rep: Report, head: str) -> None:
         src = c.get("hit_source")
         hits = f"; its hits count as {src}" if src else ""
         print(f"  child {c['name']}: {c['class']} ({hma}{late}{breaker}){hits}")
+        if c.get("storage"):
+            print(f"    files: {c['storage']}")
     if rep.hma:
         print(f"hybrid KV cache manager: {rep.hma}")
     if rep.model:

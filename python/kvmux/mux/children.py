@@ -26,6 +26,7 @@ from kvmux.errors import KvmuxChildError, KvmuxConfigError
 from kvmux.mux._fanout import constant_answer, layer_hook
 from kvmux.mux.config import MuxConfig
 from kvmux.mux.events import KvmuxKVEvents, deduplicated, labelled, own_worker_events
+from kvmux.mux.example_storage import is_example_connector, model_identity, write_marker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -88,9 +89,14 @@ class Children:
         self._plans: dict[str, Plan] = {}
         try:
             for spec in cfg.children:
+                child_config = spec.vllm_config_for(vllm_config)
+                if is_example_connector(spec.cls) and getattr(role, "name", "") == "SCHEDULER":
+                    ktc = child_config.kv_transfer_config
+                    folder = ktc.get_from_extra_config("shared_storage_path", "") if ktc else ""
+                    write_marker(str(folder), model_identity(vllm_config))
                 try:
                     # vLLM (>= 0.32) types it required; kvmux passes on the None it got.
-                    child = spec.cls(spec.vllm_config_for(vllm_config), role, kv_cache_config)  # type: ignore[arg-type]
+                    child = spec.cls(child_config, role, kv_cache_config)  # type: ignore[arg-type]
                 except KvmuxConfigError as e:
                     # A child's own settings are wrong: still a config error
                     # (naming the key and the fix), now naming the child.

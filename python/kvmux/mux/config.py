@@ -145,9 +145,15 @@ class ChildSpec:
     failed for the request (None: no limit)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
-        """The parent's ``VllmConfig`` with this child's transfer config."""
+        """The parent's ``VllmConfig`` with this child's transfer config (for
+        vLLM's ``ExampleConnector``, its storage path made this model's own:
+        :mod:`kvmux.mux.example_storage`)."""
+        from kvmux.mux.example_storage import per_model_transfer_config
+
         child = copy.copy(vllm_config)
-        child.kv_transfer_config = self.transfer_config
+        child.kv_transfer_config = per_model_transfer_config(
+            self.cls, self.transfer_config, vllm_config
+        )
         return child
 
 
