@@ -419,9 +419,10 @@ class HostIndex:
     @property
     def policy(self) -> tuple[str, float]:
         """``(eviction, tenant_max_share)``."""
-    def policy_usage(self) -> tuple[int, int, int, int]:
-        """``(tenants holding a block, protected blocks, lifetime evictions by
-        the share rule, lifetime evictions of blocks read back)`` now (O(1))."""
+    def policy_usage(self) -> tuple[int, int, int, int, int]:
+        """``(tenants holding a block, protected blocks, the protected list's
+        target (adapted; 0 under lru), lifetime evictions by the share rule,
+        lifetime evictions of blocks read back)`` now (O(1))."""
     def tenant_held(self, tenant: str) -> int:
         """The slots ``tenant`` holds (writing or ready)."""
     def is_protected(self, slot: int) -> bool:

@@ -10,12 +10,24 @@
 //! used first). `Slru` (the default of the tier) splits it in two: a ready
 //! block starts in the probationary list, and moves to the protected list
 //! once it is read back (pinned for a load, or found cached by a later
-//! save); the protected list holds at most [`PROTECTED_PERCENT`] of the
-//! slots (its least recent block goes back to the probationary list's
-//! recent end). Eviction takes the probationary list's least recent block
+//! save). Eviction takes the probationary list's least recent block
 //! first: a pass of blocks written once (a batch job, a crawler) evicts
 //! blocks written once, not the blocks that were read back. A first-time
 //! block is always admitted, as under LRU.
+//!
+//! The protected list's size is a target: its blocks within it (the most
+//! recently read) are never evicted for the probationary list's; beyond it,
+//! its least recent block competes by recency with the probationary list's
+//! (the older of the two goes: with a target of 0 this is LRU exactly). The
+//! target adapts as ARC adapts its own: the index remembers the keys it evicted lately (at most
+//! `capacity` of them, the "ghosts"). A block saved again after it was
+//! evicted never read back says the probationary list was too short (the
+//! target shrinks: under a returning-user pattern, where LRU is right, until
+//! the probationary list holds the users' contexts until they return); one
+//! evicted after it was read back says the protected list was (it grows, up
+//! to [`PROTECTED_PERCENT`] of the slots). Each step is ARC's: one block, or
+//! the ghosts of the other kind per ghost of this kind if more. The target
+//! starts at [`PROTECTED_START_PERCENT`].
 //!
 //! Tenants: each block belongs to the tenant that saved it (the tier's
 //! requests' `cache_salt`; the empty name is the requests without one). A
@@ -49,7 +61,7 @@
 //! stores, aborts, evicts and drops it reports as [`SlotEvent`]s, collected
 //! until [`BlockIndex::take_events`] drains them.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::error::IndexError;
@@ -59,15 +71,22 @@ use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 /// non-cryptographic hasher is enough, and 2-3x cheaper than SipHash.
 type KeyMap = HashMap<Box<[u8]>, u32, Xxh3DefaultBuilder>;
 
+/// Evicted keys: (it had been read back, its sequence number).
+type KeyGhosts = HashMap<Box<[u8]>, (bool, u64), Xxh3DefaultBuilder>;
+
 /// The most KV cache groups an index takes (vLLM's models have a handful).
 pub const MAX_GROUPS: usize = 1024;
 
 /// The most workers whose acknowledgements an index counts.
 pub const MAX_WORKERS: usize = 1 << 16;
 
-/// Under [`Eviction::Slru`], the protected list's most slots, in percent of
-/// the capacity (at least one slot).
+/// Under [`Eviction::Slru`], the protected list's largest target, in percent
+/// of the capacity (at least one slot).
 pub const PROTECTED_PERCENT: usize = 80;
+
+/// Under [`Eviction::Slru`], the protected list's target at first, in
+/// percent of the capacity.
+pub const PROTECTED_START_PERCENT: usize = 25;
 
 const NIL: u32 = u32::MAX;
 
@@ -191,6 +210,10 @@ struct Slot {
     linked: bool,
     /// Which list it is (or goes back to once unpinned).
     list: u8,
+    /// Read back since it was stored.
+    read: bool,
+    /// When it was last put in its list (the index's clock).
+    stamp: u64,
     /// Its tenant's id (while not free).
     tenant: u32,
 }
@@ -263,8 +286,21 @@ pub struct BlockIndex {
     /// its least recently used end (`head`).
     lists: [Ends; 2],
     policy: Policy,
-    /// The protected list's most slots.
+    /// The protected list's target size (adapted by the ghosts, at most
+    /// `protected_max`).
     protected_cap: usize,
+    protected_max: usize,
+    /// Under SLRU, per group: the keys evicted lately -> (it had been read
+    /// back, its sequence number), at most `capacity` in all.
+    ghosts: Vec<KeyGhosts>,
+    /// The ghosts in eviction order: (group, key, sequence number); an entry
+    /// whose sequence number its map no longer holds is stale.
+    ghost_order: VecDeque<(u32, Box<[u8]>, u64)>,
+    ghost_seq: u64,
+    /// Ticks at each link into a list: the slots' stamps.
+    clock: u64,
+    /// Live ghosts: never read back, read back.
+    ghost_counts: [usize; 2],
     /// The most slots a tenant holds while others want room.
     tenant_cap: usize,
     /// Tenants by id (None: a free id).
@@ -307,6 +343,8 @@ pub struct PolicyUsage {
     pub tenants: usize,
     /// Unpinned ready blocks in the protected list (read back).
     pub protected: usize,
+    /// The protected list's target now (0 under LRU).
+    pub protected_target: usize,
     /// Lifetime evictions by the tenant share rule.
     pub evicted_share: u64,
     /// Lifetime evictions of blocks that had been read back.
@@ -400,6 +438,8 @@ impl BlockIndex {
             tnext: NIL,
             linked: false,
             list: PROBATION as u8,
+            read: false,
+            stamp: 0,
             tenant: 0,
         }));
         let free = (0..capacity as u32).collect();
@@ -415,9 +455,16 @@ impl BlockIndex {
             free,
             lists: [EMPTY; 2],
             policy,
-            protected_cap: (capacity / 100 * PROTECTED_PERCENT
-                + capacity % 100 * PROTECTED_PERCENT / 100)
-                .max(1),
+            protected_cap: percent(capacity, PROTECTED_START_PERCENT)
+                .clamp(1, percent(capacity, PROTECTED_PERCENT).max(1)),
+            protected_max: percent(capacity, PROTECTED_PERCENT).max(1),
+            ghosts: (0..groups)
+                .map(|_| KeyGhosts::with_hasher(Xxh3DefaultBuilder::new()))
+                .collect(),
+            ghost_order: VecDeque::new(),
+            ghost_seq: 0,
+            clock: 0,
+            ghost_counts: [0; 2],
             // The share in slots, at least one (1.0: the capacity, never
             // exceeded).
             tenant_cap: ((capacity as f64 * share).floor() as usize).clamp(1, capacity),
@@ -602,6 +649,9 @@ impl BlockIndex {
             if self.maps[group].contains_key(k.as_ref()) {
                 continue;
             }
+            // A block evicted lately and saved again adapts the target
+            // before this save's eviction picks its victim.
+            self.ghost_hit(group, k.as_ref());
             let Some(s) = self.take_slot(t) else { break };
             let key: Box<[u8]> = k.as_ref().into();
             let slot = &mut self.slots[s as usize];
@@ -612,6 +662,7 @@ impl BlockIndex {
             slot.owner = Some(Arc::clone(&owner));
             slot.save_acks = self.workers;
             slot.list = PROBATION as u8;
+            slot.read = false;
             slot.tenant = t;
             self.pinned += 1;
             self.held(t, true);
@@ -811,6 +862,10 @@ impl BlockIndex {
         PolicyUsage {
             tenants: self.tenant_ids.len(),
             protected: self.lists[PROTECTED].len,
+            protected_target: match self.policy.eviction {
+                Eviction::Slru => self.protected_cap,
+                Eviction::Lru => 0,
+            },
             evicted_share: self.counters.evicted_share,
             evicted_protected: self.counters.evicted_protected,
         }
@@ -900,8 +955,24 @@ impl BlockIndex {
         if self.policy.eviction == Eviction::Lru && self.lists[PROTECTED].len != 0 {
             return Err("a protected block under LRU".into());
         }
-        if self.lists[PROTECTED].len > self.protected_cap {
-            return Err("protected list over its cap".into());
+        if self.protected_cap > self.protected_max {
+            return Err("the protected target over its max".into());
+        }
+        let ghosts: usize = self.ghosts.iter().map(|m| m.len()).sum();
+        let read = self
+            .ghosts
+            .iter()
+            .flat_map(|m| m.values())
+            .filter(|g| g.0)
+            .count();
+        if [ghosts - read, read] != self.ghost_counts || ghosts > self.slots.len() {
+            return Err(format!(
+                "{ghosts} ghosts ({read} read), counted {:?}",
+                self.ghost_counts
+            ));
+        }
+        if self.policy.eviction == Eviction::Lru && ghosts != 0 {
+            return Err("ghosts under LRU".into());
         }
         let mut held: HashMap<u32, usize> = HashMap::new();
         for (t, tenant) in self.tenants.iter().enumerate() {
@@ -1117,14 +1188,11 @@ impl BlockIndex {
         };
         let victim = match by_share {
             Some(v) => v,
-            None => [PROBATION, PROTECTED]
-                .into_iter()
-                .map(|l| self.lists[l].head)
-                .find(|&s| s != NIL)?,
+            None => self.policy_victim()?,
         };
-        let (group, list) = {
+        let (group, list, read) = {
             let v = &self.slots[victim as usize];
-            (v.group, v.list as usize)
+            (v.group, v.list as usize, v.read)
         };
         for c in [&mut self.counters, &mut self.group_counters[group as usize]] {
             c.evicted += 1;
@@ -1132,9 +1200,58 @@ impl BlockIndex {
             c.evicted_protected += u64::from(list == PROTECTED);
         }
         if let Some(key) = self.release(victim) {
+            if self.policy.eviction == Eviction::Slru {
+                self.remember(group, &key, read);
+            }
             self.events.push(SlotEvent::Evicted { group, key });
         }
         self.free.pop_first()
+    }
+
+    /// Remember an evicted key (the oldest ghosts beyond `capacity` go).
+    fn remember(&mut self, group: u32, key: &[u8], read: bool) {
+        self.ghost_seq += 1;
+        let seq = self.ghost_seq;
+        if let Some((was, _)) = self.ghosts[group as usize].insert(key.into(), (read, seq)) {
+            self.ghost_counts[usize::from(was)] -= 1;
+        }
+        self.ghost_counts[usize::from(read)] += 1;
+        self.ghost_order.push_back((group, key.into(), seq));
+        let cap = self.slots.len();
+        while self.ghost_counts[0] + self.ghost_counts[1] > cap || self.ghost_order.len() > 2 * cap
+        {
+            let Some((g, k, seq)) = self.ghost_order.pop_front() else {
+                break;
+            };
+            let map = &mut self.ghosts[g as usize];
+            if let Some(&(was, s)) = map.get(&k) {
+                if s == seq {
+                    map.remove(&k);
+                    self.ghost_counts[usize::from(was)] -= 1;
+                }
+            }
+        }
+    }
+
+    /// A key is saved again: if it was evicted lately, adapt the protected
+    /// list's target (see the module's doc).
+    fn ghost_hit(&mut self, group: usize, key: &[u8]) {
+        if self.policy.eviction != Eviction::Slru {
+            return;
+        }
+        let Some((read, _)) = self.ghosts[group].remove(key) else {
+            return;
+        };
+        // ARC's step: one block, or the other kind's ghosts per this kind's.
+        let [unread, was_read] = self.ghost_counts;
+        self.ghost_counts[usize::from(read)] -= 1;
+        if read {
+            let step = (unread / was_read.max(1)).max(1);
+            self.protected_cap = (self.protected_cap + step).min(self.protected_max);
+        } else {
+            let step = (was_read / unread.max(1)).max(1);
+            self.protected_cap = self.protected_cap.saturating_sub(step);
+        }
     }
 
     /// A `Writing` slot becomes ready: its owner's save ends, it is unpinned
@@ -1236,6 +1353,7 @@ impl BlockIndex {
         if self.policy.eviction != Eviction::Slru {
             return;
         }
+        self.slots[s as usize].read = true;
         let slot = &self.slots[s as usize];
         if slot.list as usize == PROTECTED {
             return;
@@ -1249,20 +1367,25 @@ impl BlockIndex {
         }
     }
 
-    /// Put `s` at the recent end of its list and of its tenant's list;
-    /// under SLRU the protected list's least recent blocks beyond its cap go
-    /// back to the probationary list's recent end.
-    fn link(&mut self, s: u32) {
-        self.push(s);
-        while self.lists[PROTECTED].len > self.protected_cap {
-            let old = self.lists[PROTECTED].head;
-            self.unlink(old);
-            self.slots[old as usize].list = PROBATION as u8;
-            self.push(old);
+    /// The policy's victim: the probationary list's least recent block,
+    /// unless the protected list is beyond its target and its least recent
+    /// block is older (or the probationary list is empty).
+    fn policy_victim(&self) -> Option<u32> {
+        let (p, q) = (self.lists[PROBATION].head, self.lists[PROTECTED].head);
+        let stamp = |s: u32| self.slots[s as usize].stamp;
+        if q != NIL
+            && (p == NIL || (self.lists[PROTECTED].len > self.protected_cap && stamp(q) < stamp(p)))
+        {
+            Some(q)
+        } else {
+            (p != NIL).then_some(p)
         }
     }
 
-    fn push(&mut self, s: u32) {
+    /// Put `s` at the recent end of its list and of its tenant's list.
+    fn link(&mut self, s: u32) {
+        self.clock += 1;
+        self.slots[s as usize].stamp = self.clock;
         let (list, t) = {
             let slot = &self.slots[s as usize];
             (slot.list as usize, slot.tenant)
@@ -1290,6 +1413,11 @@ impl BlockIndex {
         remove(&mut self.slots, &mut tenant.lists[list], s, true);
         self.slots[s as usize].linked = false;
     }
+}
+
+/// `pct` percent of `n`, rounded down (no overflow).
+fn percent(n: usize, pct: usize) -> usize {
+    n / 100 * pct + n % 100 * pct / 100
 }
 
 /// A slot's links: its list's (`tenant` false) or its tenant's list's.
@@ -1799,20 +1927,33 @@ mod tests {
     }
 
     #[test]
-    fn the_protected_list_holds_at_most_its_share_and_its_oldest_go_back() {
-        let mut ix = with(10, Eviction::Slru, 1.0);
-        save(&mut ix, &keys(0..10));
-        for i in 0..10 {
+    fn protected_blocks_beyond_the_target_compete_by_recency() {
+        // 8 slots: a target of 2 protected blocks (at most 6).
+        let mut ix = with(8, Eviction::Slru, 1.0);
+        assert_eq!(ix.policy_usage().protected_target, 2);
+        save(&mut ix, &keys(0..4));
+        for i in 0..3 {
             let p = ix.pin_ready(&keys(i..i + 1)).unwrap();
             ix.unpin(&p);
         }
-        assert_eq!(ix.policy_usage().protected, 8, "80% of 10 slots");
-        // Keys 0 and 1, read back longest ago, went back: evicted first.
-        save(&mut ix, &keys(20..22));
-        assert_eq!(ix.longest_prefix(&keys(0..2)), 0);
-        assert_eq!(ix.longest_prefix(&keys(1..2)), 0);
-        assert_eq!(ix.longest_prefix(&keys(2..10)), 8);
-        assert_eq!(ix.counters().evicted_protected, 0);
+        save(&mut ix, &keys(100..104)); // written after the reads
+        assert_eq!(ix.policy_usage().protected, 3);
+        // Key 3, written once and older than every read: the first to go.
+        save(&mut ix, &keys(10..11));
+        assert_eq!(ix.longest_prefix(&keys(3..4)), 0);
+        // Key 0, read before key 100 was written, beyond the target: next.
+        save(&mut ix, &keys(11..12));
+        assert_eq!(ix.longest_prefix(&keys(0..1)), 0);
+        assert_eq!(ix.counters().evicted_protected, 1);
+        // Two protected now, within the target: key 100 goes, newer or not.
+        save(&mut ix, &keys(12..13));
+        assert_eq!(ix.longest_prefix(&keys(100..101)), 0);
+        assert_eq!(ix.longest_prefix(&keys(1..3)), 2);
+        assert_eq!(ix.longest_prefix(&keys(10..13)), 3);
+        // Key 0 comes back: evicted after a read, the target grows (ARC's
+        // step: 2 ghosts evicted unread per ghost evicted read).
+        save(&mut ix, &keys(0..1));
+        assert_eq!(ix.policy_usage().protected_target, 4);
         ix.check().unwrap();
         // Only protected blocks left to evict: the least recent goes.
         let mut ix = with(1, Eviction::Slru, 1.0);
@@ -1822,7 +1963,47 @@ mod tests {
         save(&mut ix, &keys(1..2));
         assert_eq!(ix.longest_prefix(&keys(0..2)), 0);
         assert_eq!(ix.longest_prefix(&keys(1..2)), 1);
-        assert_eq!(ix.counters().evicted_protected, 1);
+        ix.check().unwrap();
+    }
+
+    #[test]
+    fn returning_users_are_served_as_under_lru_and_unread_ghosts_shrink_the_target() {
+        // Returning users: each context (2 blocks) is saved, read back once
+        // when its user returns, and never again; the next users' contexts
+        // come back later. LRU serves every return, and so does SLRU: the
+        // protected blocks beyond the target (the stale ones) go by recency.
+        let returns = |eviction| {
+            let mut ix = with(24, eviction, 1.0);
+            let ctx = |u: u32| keys(100 * u..100 * u + 2);
+            let mut served = 0;
+            for t in 0..400u32 {
+                save(&mut ix, &ctx(t));
+                if t >= 5 {
+                    let back = ctx(t - 5);
+                    let hit = ix.longest_prefix(&back);
+                    served += hit;
+
+                    if let Some(p) = ix.pin_ready(&back[..hit]) {
+                        ix.unpin(&p);
+                    }
+                    save(&mut ix, &back); // what missed is saved again
+                }
+            }
+            ix.check().unwrap();
+            (served, ix.policy_usage().protected_target)
+        };
+        let (lru, _) = returns(Eviction::Lru);
+        let (slru, target) = returns(Eviction::Slru);
+        assert_eq!(lru, 2 * 395);
+        assert!(slru * 100 >= lru * 95, "slru {slru} against lru {lru}");
+        assert!(target <= 12, "{target}");
+        // A block evicted unread and saved again: the target shrinks.
+        let mut ix = with(8, Eviction::Slru, 1.0);
+        save(&mut ix, &keys(0..8));
+        save(&mut ix, &keys(8..16));
+        assert_eq!(ix.policy_usage().protected_target, 2);
+        save(&mut ix, &keys(0..1));
+        assert_eq!(ix.policy_usage().protected_target, 1);
         ix.check().unwrap();
     }
 

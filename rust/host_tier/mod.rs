@@ -27,6 +27,7 @@ pub mod requests;
 pub use block_index::{
     chain_token_hashes, BlockIndex, Eviction, IndexCounters, Policy, PolicyUsage, Reach,
     ServablePrefix, SlotEvent, SlotState, Usage, MAX_GROUPS, MAX_WORKERS, PROTECTED_PERCENT,
+    PROTECTED_START_PERCENT,
 };
 pub use requests::{
     Allocated, Finished, GroupSave, HostRequest, HostTier, LoadPlan, NotOffered, SavePlan,

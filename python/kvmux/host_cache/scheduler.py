@@ -145,7 +145,7 @@ class HostCacheScheduler:
         self.stats = HostCacheStats()
         self.slot_bytes = slot_bytes
         self._usage: tuple[int, int, int, list[int]] | None = None  # last reported
-        self._policy_usage: tuple[int, int, int, int] | None = None  # last reported
+        self._policy_usage: tuple[int, int, int, int, int] | None = None  # last reported
         self.events = events
         self.promote = promote
 

@@ -57,6 +57,7 @@ TIER_GAUGES = (
 POLICY_GAUGES = (
     "tenants",  # tenants (cache_salt values; no salt is one) holding a block
     "protected_slots",  # blocks read back, kept over blocks written once (slru)
+    "protected_target_slots",  # the protected blocks' adapted target (slru; 0 under lru)
     "evicted_share_blocks",  # blocks evicted by the tenant share rule, lifetime
     "evicted_protected_blocks",  # blocks evicted although read back, lifetime
 )
@@ -77,10 +78,15 @@ class HostCacheStats(KVConnectorStats):
         self.data.update({f"{TIER}group{g}.used_slots": n for g, n in enumerate(group_used)})
 
     def set_policy(
-        self, tenants: int, protected: int, evicted_share: int, evicted_protected: int
+        self,
+        tenants: int,
+        protected: int,
+        protected_target: int,
+        evicted_share: int,
+        evicted_protected: int,
     ) -> None:
         """The policy's gauges now (see :data:`POLICY_GAUGES`)."""
-        now = (tenants, protected, evicted_share, evicted_protected)
+        now = (tenants, protected, protected_target, evicted_share, evicted_protected)
         self.data.update({TIER + k: v for k, v in zip(POLICY_GAUGES, now, strict=True)})
 
     def aggregate(self, other: KVConnectorStats) -> HostCacheStats:

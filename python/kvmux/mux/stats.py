@@ -128,6 +128,10 @@ TIER_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_tier_protected_slots",
         "A tier's blocks read back, kept over blocks written once (eviction slru).",
     ),
+    "protected_target_slots": (
+        "kvmux_tier_protected_target_slots",
+        "The target a tier's protected blocks adapt to (eviction slru; 0 under lru).",
+    ),
     "evicted_share_blocks": (
         "kvmux_tier_evicted_share_blocks",
         "Blocks a tier evicted by the tenant share rule (tenant_max_share), lifetime.",

@@ -512,12 +512,18 @@ impl PyHostIndex {
         (p.eviction.name(), p.tenant_max_share)
     }
 
-    /// `(tenants holding a block, protected blocks, lifetime evictions by
-    /// the share rule, lifetime evictions of blocks read back)` now: O(1),
-    /// for gauges read every scheduler step.
-    fn policy_usage(&self) -> (usize, usize, u64, u64) {
+    /// `(tenants holding a block, protected blocks, the protected list's
+    /// target, lifetime evictions by the share rule, lifetime evictions of
+    /// blocks read back)` now: O(1), for gauges read every scheduler step.
+    fn policy_usage(&self) -> (usize, usize, usize, u64, u64) {
         let u = self.lock().policy_usage();
-        (u.tenants, u.protected, u.evicted_share, u.evicted_protected)
+        (
+            u.tenants,
+            u.protected,
+            u.protected_target,
+            u.evicted_share,
+            u.evicted_protected,
+        )
     }
 
     /// The slots `tenant` holds (writing or ready).
