@@ -26,8 +26,9 @@
 //! the probationary list holds the users' contexts until they return); one
 //! evicted after it was read back says the protected list was (it grows, up
 //! to [`PROTECTED_PERCENT`] of the slots). Each step is ARC's: one block, or
-//! the ghosts of the other kind per ghost of this kind if more. The target
-//! starts at [`PROTECTED_START_PERCENT`].
+//! the ghosts of the other kind per ghost of this kind if more; a block
+//! evicted after a read and saved again is protected again once stored. The
+//! target starts at [`PROTECTED_START_PERCENT`].
 //!
 //! Tenants: each block belongs to the tenant that saved it (the tier's
 //! requests' `cache_salt`; the empty name is the requests without one). A
@@ -650,8 +651,9 @@ impl BlockIndex {
                 continue;
             }
             // A block evicted lately and saved again adapts the target
-            // before this save's eviction picks its victim.
-            self.ghost_hit(group, k.as_ref());
+            // before this save's eviction picks its victim; one that had
+            // been read back is protected again once stored (ARC's rule).
+            let read = self.ghost_hit(group, k.as_ref());
             let Some(s) = self.take_slot(t) else { break };
             let key: Box<[u8]> = k.as_ref().into();
             let slot = &mut self.slots[s as usize];
@@ -661,8 +663,8 @@ impl BlockIndex {
             slot.pins = 1;
             slot.owner = Some(Arc::clone(&owner));
             slot.save_acks = self.workers;
-            slot.list = PROBATION as u8;
-            slot.read = false;
+            slot.list = if read { PROTECTED } else { PROBATION } as u8;
+            slot.read = read;
             slot.tenant = t;
             self.pinned += 1;
             self.held(t, true);
@@ -1234,13 +1236,14 @@ impl BlockIndex {
     }
 
     /// A key is saved again: if it was evicted lately, adapt the protected
-    /// list's target (see the module's doc).
-    fn ghost_hit(&mut self, group: usize, key: &[u8]) {
+    /// list's target (see the module's doc). Returns whether it had been
+    /// evicted after a read.
+    fn ghost_hit(&mut self, group: usize, key: &[u8]) -> bool {
         if self.policy.eviction != Eviction::Slru {
-            return;
+            return false;
         }
         let Some((read, _)) = self.ghosts[group].remove(key) else {
-            return;
+            return false;
         };
         // ARC's step: one block, or the other kind's ghosts per this kind's.
         let [unread, was_read] = self.ghost_counts;
@@ -1252,6 +1255,7 @@ impl BlockIndex {
             let step = (was_read / unread.max(1)).max(1);
             self.protected_cap = self.protected_cap.saturating_sub(step);
         }
+        read
     }
 
     /// A `Writing` slot becomes ready: its owner's save ends, it is unpinned
@@ -1952,8 +1956,9 @@ mod tests {
         assert_eq!(ix.longest_prefix(&keys(10..13)), 3);
         // Key 0 comes back: evicted after a read, the target grows (ARC's
         // step: 2 ghosts evicted unread per ghost evicted read).
-        save(&mut ix, &keys(0..1));
+        let back = save(&mut ix, &keys(0..1));
         assert_eq!(ix.policy_usage().protected_target, 4);
+        assert!(ix.is_protected(back[0]), "protected again once stored");
         ix.check().unwrap();
         // Only protected blocks left to evict: the least recent goes.
         let mut ix = with(1, Eviction::Slru, 1.0);
