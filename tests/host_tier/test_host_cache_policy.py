@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvmux import KvmuxConfigError, KvmuxHostCache
-from tests.support.harness import BLOCK_SIZE, KVTransferConfig
+from tests.mux.test_hit_sources import HOST, Metrics
+from tests.support.harness import BLOCK_SIZE, KVTransferConfig, SchedulerSim, mux_config
 
 TIER_BLOCKS = 64
 PREFIX_BLOCKS = 8
@@ -140,6 +142,41 @@ def test_without_a_share_one_tenants_flood_evicts_anothers_prefix(driver_factory
     got, d = flood(driver_factory)  # tenant_max_share 1.0: one shared pool
     assert got == 0
     assert tier_gauges(d)["tier.evicted_share_blocks"] == 0
+
+
+def test_the_policy_gauges_reach_prometheus_under_kvmux():
+    """Under ``KvmuxConnector`` the counts (no label per tenant) are
+    ``kvmux_tier_*`` gauges beside the tier's size."""
+    child = {
+        "kv_connector": HOST,
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_blocks": TIER_BLOCKS, "tenant_max_share": 0.5},
+    }
+    d = SchedulerSim(mux_config([child]))
+    try:
+        m = Metrics(d)
+        for name, tokens in [("b0", [*HOT[0], 1]), ("b1", [*HOT[0], 2])]:
+            served(d, name, tokens, "salt-B")
+        for j in range(12):
+            d.add(f"a{j}", one_off(j), cache_salt="salt-A")
+            d.run()
+        d.step()  # an idle step: the latest gauges are reported
+        s = m.sample
+        assert s("kvmux_tier_tenants", connector=HOST) == 2
+        assert s("kvmux_tier_evicted_share_blocks", connector=HOST) == 40
+        assert s("kvmux_tier_protected_slots", connector=HOST) == PREFIX_BLOCKS  # B's, read back
+        assert s("kvmux_tier_protected_target_slots", connector=HOST) == TIER_BLOCKS // 4
+        assert s("kvmux_tier_evicted_protected_blocks", connector=HOST) == 0
+        values = {
+            v
+            for metric in REGISTRY.collect()
+            for smp in metric.samples
+            for v in smp.labels.values()
+        }
+        assert not values & {"salt-A", "salt-B"}, "no label per tenant"
+    finally:
+        d.close()
 
 
 def test_salts_keep_isolating_tenants(driver_factory):
