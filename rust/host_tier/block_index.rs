@@ -33,8 +33,8 @@
 //! Tenants: each block belongs to the tenant that saved it (the tier's
 //! requests' `cache_salt`; the empty name is the requests without one). A
 //! tenant holding its share of the slots (`tenant_max_share` of the
-//! capacity) or more while the pool is full evicts its own blocks (its
-//! probationary ones first), and a tenant below its share evicts an
+//! capacity) or more while the pool is full and another tenant holds blocks
+//! evicts its own blocks (its probationary ones first), and a tenant below its share evicts an
 //! over-share tenant's blocks before anyone else's. With a share of 1.0 no
 //! tenant is ever over it: eviction is the policy's alone. A tenant's state
 //! is a count and its two lists' ends, gone when it holds nothing.
@@ -1179,7 +1179,8 @@ impl BlockIndex {
         if let Some(s) = self.free.pop_first() {
             return Some(s);
         }
-        let shared = self.tenant_cap < self.slots.len();
+        // Shares bind while others want room: a lone tenant has the policy.
+        let shared = self.tenant_cap < self.slots.len() && self.tenant_ids.len() > 1;
         let own = self.tenants[t as usize].as_ref().map_or(0, |t| t.held);
         let by_share = if !shared {
             None
@@ -2058,6 +2059,23 @@ mod tests {
             assert_eq!(ix.longest_prefix(&keys(0..8)), 0);
             assert_eq!(ix.counters().evicted_share, 0);
         }
+    }
+
+    #[test]
+    fn a_lone_tenant_is_evicted_by_the_policy_not_by_its_share() {
+        let mut ix = with(8, Eviction::Slru, 0.5);
+        save_for(&mut ix, &keys(0..8), "a");
+        let p = ix.pin_ready(&keys(0..2)).unwrap();
+        ix.unpin(&p); // read back: protected, within the target of 2
+        save_for(&mut ix, &keys(10..12), "a");
+        assert_eq!(
+            ix.longest_prefix(&keys(0..2)),
+            2,
+            "the policy kept what was read"
+        );
+        assert_eq!(ix.counters().evicted_share, 0);
+        assert_eq!(ix.counters().evicted, 2);
+        ix.check().unwrap();
     }
 
     #[test]
