@@ -408,10 +408,17 @@ impl BlockIndex {
             });
         }
         // About what the index holds: a slot and a free-set entry per
-        // block, a map entry per block and group (a key when it is ready).
+        // block, a map entry per block and group (a key when it is ready),
+        // and under SLRU up to one ghost per block (a map entry and an
+        // order entry, each with its key: grown as blocks are evicted).
+        let ghosts = match policy.eviction {
+            Eviction::Slru => capacity.saturating_mul(128),
+            Eviction::Lru => 0,
+        };
         let bytes = capacity
             .saturating_mul(std::mem::size_of::<Slot>() + 8)
-            .saturating_add(capacity.saturating_mul(groups).saturating_mul(48));
+            .saturating_add(capacity.saturating_mul(groups).saturating_mul(48))
+            .saturating_add(ghosts);
         let no_memory = |_| IndexError::Memory {
             capacity,
             groups,
