@@ -85,4 +85,8 @@ pub enum IndexError {
         groups: usize,
         bytes: usize,
     },
+    #[error("host index eviction must be one of {allowed}, got {got:?}")]
+    Eviction { got: String, allowed: &'static str },
+    #[error("host index tenant_max_share must be a fraction in (0, 1], got {got}")]
+    TenantShare { got: String },
 }

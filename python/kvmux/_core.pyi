@@ -276,8 +276,9 @@ class ServablePrefix:
 
 @final
 class HostIndex:
-    """The host tier's block index: block hash -> slot, LRU, pins; one key
-    space per KV cache group, one pool of slots and one LRU order. Each
+    """The host tier's block index: block hash -> slot, eviction (``slru``
+    or ``lru``, per-tenant shares), pins; one key space per KV cache group,
+    one pool of slots and one eviction order. Each
     slot's owner (the request saving into it) and the workers'
     acknowledgements are here too, and what it stores, aborts, evicts and
     drops it reports as events (:meth:`take_events`)."""
@@ -290,6 +291,8 @@ class HostIndex:
         block_size: int = 16,
         windows: list[int | None] | None = None,
         promote: bool = True,
+        eviction: str = "slru",
+        tenant_max_share: float = 1.0,
     ) -> Self:
         """``capacity`` slots shared by ``groups`` key spaces (one per KV
         cache group); each save and load needs an acknowledgement from each
@@ -297,7 +300,11 @@ class HostIndex:
         attention, else the blocks it reads before a resume point (default:
         all full attention); ``promote``: save the blocks other children
         loaded too. The per-request table (``rust/host_tier/requests.rs``)
-        uses ``block_size``, ``windows`` and ``promote``."""
+        uses ``block_size``, ``windows`` and ``promote``. ``eviction``:
+        ``"slru"`` (blocks read back are protected from blocks written
+        once) or ``"lru"``; ``tenant_max_share``: the most one tenant holds
+        of the capacity while others want room, in (0, 1]. ValueError for
+        another eviction or a share out of range."""
     @property
     def capacity(self) -> int: ...
     @property
@@ -342,12 +349,14 @@ class HostIndex:
         keys: list[bytes],
         first: int,
         block_ids: Sequence[Sequence[int]],
+        tenant: str | None = None,
     ) -> tuple[
         list[tuple[int, list[int], list[int], list[int], list[tuple[str, int, bytes, str | None]]]],
         list[int],
         int,
     ]:
-        """Reserve the saves of the blocks from ``first`` (``keys``: theirs):
+        """Reserve the saves of the blocks from ``first`` (``keys``: theirs;
+        ``tenant``: the request's ``cache_salt``, None without one):
         ``([(group, positions, slots, device blocks, events)], skipped per
         group, promoted blocks)``."""
     def finished(self, req_id: str) -> tuple[bool, int, int, list[int], list[int]] | None:
@@ -366,10 +375,16 @@ class HostIndex:
     def pin_ready(self, keys: list[bytes], group: int = 0) -> list[int] | None:
         """Pin the slots of ``group``'s ``keys`` for a load; None (nothing
         pinned) unless all are ready."""
-    def reserve(self, keys: list[bytes], group: int = 0, owner: str | None = None) -> Reservation:
-        """Reserve slots for ``owner`` (a request id) to save ``group``'s
-        uncached ``keys``; a ready block evicted for room is an ``evicted``
-        event."""
+    def reserve(
+        self,
+        keys: list[bytes],
+        group: int = 0,
+        owner: str | None = None,
+        tenant: str | None = None,
+    ) -> Reservation:
+        """Reserve slots for ``owner`` (a request id) of ``tenant`` to save
+        ``group``'s uncached ``keys``; a ready block evicted for room is an
+        ``evicted`` event."""
     def ack_saves(self, acks: dict[int, int]) -> int:
         """Workers acknowledged saves (slot -> acknowledgements): the saves
         every worker acknowledged become ready (``stored`` events); returns
@@ -401,6 +416,17 @@ class HostIndex:
         """``(capacity, used, pinned, [used slots of each group])`` now (O(groups))."""
     def group_stats(self) -> list[dict[str, int]]:
         """Per group: ``writing``, ``ready``, ``stored``, ``evicted``, ``aborted``."""
+    @property
+    def policy(self) -> tuple[str, float]:
+        """``(eviction, tenant_max_share)``."""
+    def policy_usage(self) -> tuple[int, int, int, int, int]:
+        """``(tenants holding a block, protected blocks, the protected list's
+        target (adapted; 0 under lru), lifetime evictions by the share rule,
+        lifetime evictions of blocks read back)`` now (O(1))."""
+    def tenant_held(self, tenant: str) -> int:
+        """The slots ``tenant`` holds (writing or ready)."""
+    def is_protected(self, slot: int) -> bool:
+        """Whether ``slot`` holds a block read back (protected under slru)."""
 
 def chain_token_hashes(tokens: list[int], block_size: int, seed: bytes) -> list[bytes]:
     """Chained 128-bit hashes of the full blocks of ``tokens``."""

@@ -1,5 +1,5 @@
 //! The host tier's Rust side: [`block_index`], the index of the blocks the
-//! tier holds in host memory (block hash -> slot, LRU eviction, pins, the
+//! tier holds in host memory (block hash -> slot, eviction (LRU or SLRU, tenant shares), pins, the
 //! workers' acknowledgements, its events), and [`requests`], the
 //! per-request bookkeeping beside it ([`HostTier`]: offers, saves, loads,
 //! crediting by the multiplexer's [`crate::mux::Credits`]); its errors are
@@ -25,8 +25,9 @@ pub mod block_index;
 pub mod requests;
 
 pub use block_index::{
-    chain_token_hashes, BlockIndex, IndexCounters, Reach, ServablePrefix, SlotEvent, SlotState,
-    Usage, MAX_GROUPS, MAX_WORKERS,
+    chain_token_hashes, BlockIndex, Eviction, IndexCounters, Policy, PolicyUsage, Reach,
+    ServablePrefix, SlotEvent, SlotState, Usage, MAX_GROUPS, MAX_WORKERS, PROTECTED_PERCENT,
+    PROTECTED_START_PERCENT,
 };
 pub use requests::{
     Allocated, Finished, GroupSave, HostRequest, HostTier, LoadPlan, NotOffered, SavePlan,

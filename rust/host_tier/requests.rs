@@ -368,10 +368,12 @@ impl HostTier {
     /// `build_connector_meta`, second half: reserve slots for the blocks
     /// `[first, first + keys.len())` (`keys`: their identities) of every
     /// group (a windowed group's it keeps and still holds on the device,
-    /// `block_ids`: the request's blocks per group).
+    /// `block_ids`: the request's blocks per group), held by `tenant` (the
+    /// request's `cache_salt`, empty without one).
     pub fn reserve_saves<K: AsRef<[u8]>>(
         &mut self,
         req_id: &str,
+        tenant: &str,
         keys: &[K],
         first: usize,
         block_ids: &[Vec<u32>],
@@ -400,11 +402,11 @@ impl HostTier {
                 ),
             };
             let (reserved, events) = match &sub {
-                None => self.index.reserve_reporting(g, keys, req_id),
+                None => self.index.reserve_reporting(g, keys, req_id, tenant),
                 Some(sub) => {
                     plan.skipped[g] = n - sub.len();
                     let ks: Vec<&[u8]> = sub.iter().map(|&p| keys[p].as_ref()).collect();
-                    self.index.reserve_reporting(g, &ks, req_id)
+                    self.index.reserve_reporting(g, &ks, req_id, tenant)
                 }
             };
             let (positions, slots): (Vec<usize>, Vec<u32>) = reserved
@@ -520,7 +522,7 @@ mod tests {
         let (first, full) = t
             .saves_due(req, 0, u64::from(n) * BS + 1, n as usize)
             .unwrap();
-        let plan = t.reserve_saves(req, &ks[first..full], first, &[ids]);
+        let plan = t.reserve_saves(req, "", &ks[first..full], first, &[ids]);
         let acks: Vec<(u32, u32)> = plan.groups[0].slots.iter().map(|&s| (s, 1)).collect();
         t.index.workers_reported(&[], &acks, &[]);
         assert!(!t.finished(req).unwrap().async_save);
@@ -622,7 +624,7 @@ mod tests {
         t.allocated("a", &ks, &[vec![]], 0).unwrap();
         let (first, full) = t.saves_due("a", 0, 2 * BS, 2).unwrap();
         assert_eq!((first, full), (0, 2));
-        let plan = t.reserve_saves("a", &ks[first..full], first, &[vec![3, 4]]);
+        let plan = t.reserve_saves("a", "", &ks[first..full], first, &[vec![3, 4]]);
         assert_eq!(plan.groups[0].blocks, vec![3, 4]);
         assert_eq!(t.saves_due("a", 2 * BS, 1, 2), None, "saved once");
         let fin = t.finished("a").unwrap();
@@ -641,7 +643,7 @@ mod tests {
         t.allocated("a", &ks, &[vec![], vec![]], 0).unwrap();
         let (first, full) = t.saves_due("a", 0, 4 * BS + 1, 4).unwrap();
         let ids = [vec![1, 2, 3, 4], vec![5, 6, 7, 8]];
-        let plan = t.reserve_saves("a", &ks[first..full], first, &ids);
+        let plan = t.reserve_saves("a", "", &ks[first..full], first, &ids);
         assert_eq!(plan.groups[0].positions, vec![0, 1, 2, 3]);
         assert_eq!(plan.groups[1].positions, vec![3]);
         assert_eq!(plan.groups[1].blocks, vec![8]);

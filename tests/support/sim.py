@@ -169,10 +169,12 @@ def make_request(
     kv_transfer_params: dict[str, Any] | None = None,
     hashed: bool = True,
     block_size: int = BLOCK_SIZE,
+    cache_salt: str | None = None,
 ) -> Request:
     """A real vLLM ``Request``; ``hashed=False`` leaves it without block
     hashes (as an engine with prefix caching off and no hasher would);
-    ``block_size``: the tokens per hashed block."""
+    ``block_size``: the tokens per hashed block; ``cache_salt``: the
+    request's salt (its tenant, hashed into its blocks)."""
     hasher = _HASHERS.get(block_size)
     if hasher is None:
         if not _HASHERS:
@@ -187,6 +189,7 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         block_hasher=hasher if hashed else None,
+        cache_salt=cache_salt,
     )
 
 

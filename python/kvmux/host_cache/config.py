@@ -1,5 +1,6 @@
-"""``kv_connector_extra_config`` of ``KvmuxHostCache``: its capacity, and
-whether it promotes blocks other children loaded."""
+"""``kv_connector_extra_config`` of ``KvmuxHostCache``: its capacity,
+whether it promotes blocks other children loaded, its eviction policy and
+the most one tenant (``cache_salt``) may hold."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ __all__ = ["HostCacheConfig", "parse_host_cache_config"]
 GIB = 1 << 30
 #: The most slots the host index holds (its slots are u32, one kept as "none").
 MAX_SLOTS = (1 << 32) - 2
-ALLOWED = ("capacity_gib", "num_blocks", "promote")
+ALLOWED = ("capacity_gib", "num_blocks", "promote", "eviction", "tenant_max_share")
+#: The values of ``eviction``, the default first: ``slru`` keeps the blocks
+#: read back over the blocks written once (scan-resistant), ``lru`` evicts
+#: the least recently used (recency only). The rule is the Rust index's
+#: (``rust/host_tier/block_index.rs``).
+EVICTIONS = ("slru", "lru")
 EXAMPLE = '{"capacity_gib": 8} or {"num_blocks": 4096}'
 
 
@@ -28,6 +34,12 @@ class HostCacheConfig:
     """Save the blocks another child loaded (the next request for the prefix
     is then served from host memory); False: only the blocks the engine
     computes."""
+    eviction: str = EVICTIONS[0]
+    """The eviction policy (:data:`EVICTIONS`)."""
+    tenant_max_share: float = 1.0
+    """The most one tenant (a request's ``cache_salt``; requests without one
+    are one tenant) holds of the tier while others want room, in (0, 1];
+    1.0: no limit."""
 
     def num_slots(self, block_bytes: int) -> int:
         """Host slots for blocks of ``block_bytes`` bytes (one block of every
@@ -113,10 +125,31 @@ def parse_host_cache_config(extra: Any) -> HostCacheConfig:
     promote = extra.get("promote", True)
     if not isinstance(promote, bool):
         problems.append(f"KvmuxHostCache: promote must be true or false, got {promote!r}")
+    eviction = extra.get("eviction", EVICTIONS[0])
+    if not isinstance(eviction, str) or eviction not in EVICTIONS:
+        problems.append(
+            f"KvmuxHostCache: eviction={eviction!r} is not a policy; set eviction to "
+            f'"slru" (the default: keeps blocks read back over blocks written once) or '
+            f'"lru" (least recently used first), or leave it out'
+        )
+    share = extra.get("tenant_max_share", 1.0)
+    if (
+        isinstance(share, bool)
+        or not isinstance(share, int | float)
+        or not math.isfinite(share)
+        or not 0 < share <= 1
+    ):
+        problems.append(
+            f"KvmuxHostCache: tenant_max_share={share!r} is not a fraction in (0, 1]; set "
+            "the most one cache_salt may hold of the tier while others want room, e.g. 0.5, "
+            "or leave it out (1.0: no limit)"
+        )
     if problems:
         raise KvmuxConfigError(problems)
     return HostCacheConfig(
         capacity_gib=float(gib) if gib is not None else None,
         num_blocks=int(blocks) if blocks is not None else None,
         promote=promote,
+        eviction=eviction,
+        tenant_max_share=float(share),
     )

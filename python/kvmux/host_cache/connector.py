@@ -97,6 +97,8 @@ class KvmuxHostCache(KVConnectorBase_V1, SupportsHMA):
                 events,
                 promote=cfg.promote,
                 slot_bytes=self.layout.slot_bytes,
+                eviction=cfg.eviction,
+                tenant_max_share=cfg.tenant_max_share,
                 hash_lookahead=lookahead,
             )
         else:

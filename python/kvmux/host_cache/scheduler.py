@@ -98,6 +98,8 @@ class HostCacheScheduler:
         promote: bool = True,
         slot_bytes: int = 0,
         hash_lookahead: int = 0,
+        eviction: str = "slru",
+        tenant_max_share: float = 1.0,
     ) -> None:
         """``windows``: per KV cache group, None for full attention, else the
         blocks the group reads before a resume point; ``kinds``: the groups'
@@ -106,7 +108,9 @@ class HostCacheScheduler:
         the blocks other children loaded too; ``slot_bytes``: the host
         memory of one slot, for the tier's gauges; ``hash_lookahead``:
         vLLM's ``num_hash_lookahead_tokens`` (> 0: block hashes cover the
-        tokens after each block, and the token-hash fallback is off)."""
+        tokens after each block, and the token-hash fallback is off);
+        ``eviction`` and ``tenant_max_share``: the index's policy (see
+        ``config.py``; a tenant is a request's ``cache_salt``)."""
         self.block_size = block_size
         self.hash_lookahead = hash_lookahead
         self.windows = list(windows)
@@ -123,6 +127,8 @@ class HostCacheScheduler:
                 block_size=block_size,
                 windows=self.windows,
                 promote=promote,
+                eviction=eviction,
+                tenant_max_share=tenant_max_share,
             )
         except MemoryError as e:
             raise KvmuxConfigError(
@@ -139,6 +145,7 @@ class HostCacheScheduler:
         self.stats = HostCacheStats()
         self.slot_bytes = slot_bytes
         self._usage: tuple[int, int, int, list[int]] | None = None  # last reported
+        self._policy_usage: tuple[int, int, int, int, int] | None = None  # last reported
         self.events = events
         self.promote = promote
 
@@ -248,6 +255,7 @@ class HostCacheScheduler:
                 self.keys(request, first, full),
                 first,
                 kv_cache_manager.get_block_ids(req_id),
+                getattr(request, "cache_salt", None),
             )
             for g, window in enumerate(self.windows):
                 if window is not None:
@@ -350,6 +358,10 @@ class HostCacheScheduler:
         if usage != self._usage:
             self._usage = usage
             self.stats.set_tier(*usage, self.slot_bytes)
+        policy = self.index.policy_usage()
+        if policy != self._policy_usage:
+            self._policy_usage = policy
+            self.stats.set_policy(*policy)
         return self.stats.take()
 
     def num_live_requests(self) -> int:

@@ -7,14 +7,21 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["COUNTERS", "GROUP_COUNTERS", "TIER", "TIER_GAUGES", "HostCacheStats"]
+__all__ = [
+    "COUNTERS",
+    "GROUP_COUNTERS",
+    "POLICY_GAUGES",
+    "TIER",
+    "TIER_GAUGES",
+    "HostCacheStats",
+]
 
 COUNTERS = (
     "lookups",  # requests looked up
     "lookup_hit_tokens",  # tokens offered to vLLM beyond its local prefix cache
     "loaded_tokens",  # tokens vLLM allocated for the tier to load
     "stored_blocks",  # blocks whose save completed
-    "evicted_blocks",  # blocks dropped by LRU to make room
+    "evicted_blocks",  # blocks evicted to make room (any cause; see tier.evicted_*)
     "bytes_saved",  # device -> host bytes
     "bytes_loaded",  # host -> device bytes
     "load_errors",  # blocks that could not be loaded (vLLM recomputes them)
@@ -43,6 +50,18 @@ TIER_GAUGES = (
     "pinned_slots",  # slots an in-flight load or save holds (never evicted)
 )
 
+#: The eviction policy's and the tenant shares' state, as ``tier.<gauge>``
+#: beside :data:`TIER_GAUGES` (counts only: no name of a tenant). The two
+#: ``evicted_*`` are lifetime counts of the tier (a later report replaces an
+#: earlier one, so they are gauges here and in Prometheus).
+POLICY_GAUGES = (
+    "tenants",  # tenants (cache_salt values; no salt is one) holding a block
+    "protected_slots",  # blocks read back, kept over blocks written once (slru)
+    "protected_target_slots",  # the protected blocks' adapted target (slru; 0 under lru)
+    "evicted_share_blocks",  # blocks evicted by the tenant share rule, lifetime
+    "evicted_protected_blocks",  # blocks evicted although read back, lifetime
+)
+
 
 @dataclass
 class HostCacheStats(KVConnectorStats):
@@ -57,6 +76,18 @@ class HostCacheStats(KVConnectorStats):
         now = (capacity, capacity * slot_bytes, used, used * slot_bytes, pinned)
         self.data.update({TIER + k: v for k, v in zip(TIER_GAUGES, now, strict=True)})
         self.data.update({f"{TIER}group{g}.used_slots": n for g, n in enumerate(group_used)})
+
+    def set_policy(
+        self,
+        tenants: int,
+        protected: int,
+        protected_target: int,
+        evicted_share: int,
+        evicted_protected: int,
+    ) -> None:
+        """The policy's gauges now (see :data:`POLICY_GAUGES`)."""
+        now = (tenants, protected, protected_target, evicted_share, evicted_protected)
+        self.data.update({TIER + k: v for k, v in zip(POLICY_GAUGES, now, strict=True)})
 
     def aggregate(self, other: KVConnectorStats) -> HostCacheStats:
         for k, v in other.data.items():

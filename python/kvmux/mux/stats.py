@@ -120,6 +120,26 @@ TIER_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_tier_pinned_slots",
         "A tier's slots an in-flight load or save holds (never evicted).",
     ),
+    "tenants": (
+        "kvmux_tier_tenants",
+        "Tenants (cache_salt values; requests without one are one) holding a tier's blocks.",
+    ),
+    "protected_slots": (
+        "kvmux_tier_protected_slots",
+        "A tier's blocks read back, kept over blocks written once (eviction slru).",
+    ),
+    "protected_target_slots": (
+        "kvmux_tier_protected_target_slots",
+        "The target a tier's protected blocks adapt to (eviction slru; 0 under lru).",
+    ),
+    "evicted_share_blocks": (
+        "kvmux_tier_evicted_share_blocks",
+        "Blocks a tier evicted by the tenant share rule (tenant_max_share), lifetime.",
+    ),
+    "evicted_protected_blocks": (
+        "kvmux_tier_evicted_protected_blocks",
+        "Blocks a tier evicted although they were read back (slru), lifetime.",
+    ),
 }
 TIER_GROUP_GAUGE = (
     "kvmux_tier_group_used_slots",

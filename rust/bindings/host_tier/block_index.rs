@@ -10,7 +10,8 @@ use std::sync::{Mutex, MutexGuard};
 use crate::bindings::{key_str, repr, str_key};
 use crate::error::IndexError;
 use crate::host_tier::{
-    chain_token_hashes, BlockIndex, HostTier, LoadPlan, Reach, ServablePrefix, SlotEvent,
+    chain_token_hashes, BlockIndex, Eviction, HostTier, LoadPlan, Policy, Reach, ServablePrefix,
+    SlotEvent,
 };
 
 /// The host tier's block index and per-request table (see
@@ -139,9 +140,11 @@ impl PyServablePrefix {
 impl PyHostIndex {
     /// `windows`: per group, None for full attention, else the blocks it
     /// reads before a resume point (default: every group full attention);
-    /// `promote`: save the blocks other children loaded too.
+    /// `promote`: save the blocks other children loaded too; `eviction`
+    /// (`Eviction::parse`) and `tenant_max_share`: the policy.
     #[new]
-    #[pyo3(signature = (capacity, groups = 1, workers = 1, block_size = 16, windows = None, promote = true))]
+    #[pyo3(signature = (capacity, groups = 1, workers = 1, block_size = 16, windows = None, promote = true, eviction = "slru", tenant_max_share = 1.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         capacity: usize,
         groups: usize,
@@ -149,11 +152,19 @@ impl PyHostIndex {
         block_size: u64,
         windows: Option<Vec<Option<usize>>>,
         promote: bool,
+        eviction: &str,
+        tenant_max_share: f64,
     ) -> PyResult<Self> {
-        let index = BlockIndex::with_workers(capacity, groups, workers).map_err(|e| match e {
-            IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
-            _ => PyValueError::new_err(e.to_string()),
-        })?;
+        let policy = Policy {
+            eviction: Eviction::parse(eviction)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?,
+            tenant_max_share,
+        };
+        let index =
+            BlockIndex::with_policy(capacity, groups, workers, policy).map_err(|e| match e {
+                IndexError::Memory { .. } => PyMemoryError::new_err(e.to_string()),
+                _ => PyValueError::new_err(e.to_string()),
+            })?;
         let reach: Vec<Reach> = match windows {
             None => vec![Reach::Prefix; groups],
             Some(w) if w.len() == groups => w
@@ -257,9 +268,11 @@ impl PyHostIndex {
     }
 
     /// Reserve the saves of the blocks from `first` (`keys`: theirs;
-    /// `block_ids`: the request's blocks per group): `([(group, positions,
-    /// slots, device blocks, events)], skipped per group, promoted)`.
+    /// `block_ids`: the request's blocks per group; `tenant`: its
+    /// `cache_salt`, None without one): `([(group, positions, slots, device
+    /// blocks, events)], skipped per group, promoted)`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (req_id, keys, first, block_ids, tenant = None))]
     fn reserve_saves<'py>(
         &self,
         py: Python<'py>,
@@ -267,16 +280,22 @@ impl PyHostIndex {
         keys: &Bound<'py, PyList>,
         first: usize,
         block_ids: Vec<Vec<u32>>,
+        tenant: Option<&Bound<'py, PyString>>,
     ) -> PyResult<(
         Vec<(usize, Vec<usize>, Vec<u32>, Vec<u32>, Vec<PyEvent<'py>>)>,
         Vec<usize>,
         usize,
     )> {
         let req_id = str_key(req_id)?;
+        let tenant = tenant.map(str_key).transpose()?;
         let keys = Keys::new(keys)?;
-        let plan = self
-            .tier()
-            .reserve_saves(&req_id, &keys.slices(), first, &block_ids);
+        let plan = self.tier().reserve_saves(
+            &req_id,
+            tenant.as_deref().unwrap_or(""),
+            &keys.slices(),
+            first,
+            &block_ids,
+        );
         let groups = plan
             .groups
             .into_iter()
@@ -374,21 +393,25 @@ impl PyHostIndex {
         Ok(ix.pin_ready_in(group, &keys.slices()))
     }
 
-    /// Reserve slots for `owner` to save `group`'s uncached blocks of `keys`.
-    #[pyo3(signature = (keys, group = 0, owner = None))]
+    /// Reserve slots for `owner` (of `tenant`) to save `group`'s uncached
+    /// blocks of `keys`.
+    #[pyo3(signature = (keys, group = 0, owner = None, tenant = None))]
     fn reserve(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyList>,
         group: usize,
         owner: Option<&Bound<'_, PyString>>,
+        tenant: Option<&Bound<'_, PyString>>,
     ) -> PyResult<PyReservation> {
         let keys = Keys::new(keys)?;
         let owner = owner.map(str_key).transpose()?;
+        let tenant = tenant.map(str_key).transpose()?;
         let (reserved, events) = self.lock_group(group)?.reserve_reporting(
             group,
             &keys.slices(),
             owner.as_deref().unwrap_or(""),
+            tenant.as_deref().unwrap_or(""),
         );
         let (positions, slots) = reserved.into_iter().unzip();
         let events = PyList::new(py, events_py(py, events)?)?.unbind();
@@ -477,7 +500,41 @@ impl PyHostIndex {
         d.set_item("stored", c.stored)?;
         d.set_item("evicted", c.evicted)?;
         d.set_item("aborted", c.aborted)?;
+        d.set_item("evicted_share", c.evicted_share)?;
+        d.set_item("evicted_protected", c.evicted_protected)?;
         Ok(d)
+    }
+
+    /// The eviction policy's name (`"slru"`, `"lru"`) and the tenant share.
+    #[getter]
+    fn policy(&self) -> (&'static str, f64) {
+        let p = self.lock().policy();
+        (p.eviction.name(), p.tenant_max_share)
+    }
+
+    /// `(tenants holding a block, protected blocks, the protected list's
+    /// target, lifetime evictions by the share rule, lifetime evictions of
+    /// blocks read back)` now: O(1), for gauges read every scheduler step.
+    fn policy_usage(&self) -> (usize, usize, usize, u64, u64) {
+        let u = self.lock().policy_usage();
+        (
+            u.tenants,
+            u.protected,
+            u.protected_target,
+            u.evicted_share,
+            u.evicted_protected,
+        )
+    }
+
+    /// The slots `tenant` holds (writing or ready).
+    fn tenant_held(&self, tenant: &Bound<'_, PyString>) -> PyResult<usize> {
+        let tenant = str_key(tenant)?;
+        Ok(self.lock().tenant_held(&tenant))
+    }
+
+    /// Whether `slot` is protected (it was read back).
+    fn is_protected(&self, slot: u32) -> bool {
+        self.lock().is_protected(slot)
     }
 
     /// `(capacity, used, pinned, [used slots of each group])` now: O(groups),
