@@ -212,3 +212,18 @@ def test_fleet_cross_instance_ratio_default_over_always():
     }
     fleet._compare(report)
     assert report["ratios"]["shared-l2/shared-l2-always cross-instance hit tokens"] == 0.9
+
+
+def test_returning_workload_and_the_lru_system():
+    """``returning``: the host tier holds part of the conversations, more than
+    the one or two a user waits behind (where recency is right); ``host-lru``
+    is the host tier with ``eviction: lru``, ``host`` its default."""
+    for w in serve.WORKLOADS["returning"]:
+        working = w.users * w.conversation_tokens
+        assert w.gpu_blocks * serve.BLOCK_SIZE < working
+        host_tokens = w.host_gib * 2**30 / KV_PER_TOKEN
+        assert w.conversation_tokens < host_tokens < working
+    lru = serve.system_config("host-lru", 1.0, None)
+    assert lru is not None and lru["kv_connector_extra_config"]["eviction"] == "lru"
+    host = serve.system_config("host", 1.0, None)
+    assert host is not None and "eviction" not in host["kv_connector_extra_config"]

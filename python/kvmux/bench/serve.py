@@ -77,6 +77,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("vllm", "vLLM alone (its prefix cache only)", False),
         System("host", "KvmuxHostCache alone", False),
+        System("host-lru", "KvmuxHostCache alone, eviction lru (recency only)", False),
         System("kvmux-host", "KvmuxConnector [KvmuxHostCache] (kvmux's own cost)", False),
         System("lmcache", "LMCache alone (LMCacheMPConnector + MP server)", True),
         System("multi", "vLLM MultiConnector [KvmuxHostCache, LMCache]", True),
@@ -139,6 +140,10 @@ def system_config(
         return None
     if name == "host":
         return host_child(host_gib)
+    if name == "host-lru":  # the host tier's eviction before its scan-resistant default
+        child = host_child(host_gib)
+        child["kv_connector_extra_config"]["eviction"] = "lru"
+        return child
     timeline = {} if timeline_path is None else {"timeline_path": timeline_path}
     if name == "kvmux-host":  # the multiplexer over the tier alone: what kvmux adds
         return {
@@ -346,12 +351,22 @@ HOST_FITS_QUICK = dataclasses.replace(
     QUICK, rate=3.0, think_s=1.5, probes=1, vb_prompts=0, purpose="first-only"
 )
 SPILL_QUICK = dataclasses.replace(HOST_FITS_QUICK, host_gib=0.006, purpose="second-serves")
+#: ``--workload returning`` (where recency is right): users arrive one every
+#: 2 s and think 1 s, so a user returns after one or two others; vLLM's KV
+#: cache holds one conversation and the host tier about four of the eight
+#: (0.07 GiB), so every reuse is the host tier's if it keeps what was used
+#: last. A scan-resistant policy must not lose here what LRU keeps.
+RETURNING = dataclasses.replace(HOST_FITS, rate=0.5, think_s=1.0, host_gib=0.07, purpose="tiers")
+RETURNING_QUICK = dataclasses.replace(
+    HOST_FITS_QUICK, rate=0.5, think_s=0.5, host_gib=0.007, purpose="tiers"
+)
 #: The workloads by ``--workload`` name: (full, quick).
 WORKLOADS: dict[str, tuple[ServeWorkload, ServeWorkload]] = {
     "chat": (ServeWorkload(), QUICK),
     "pays": (PAYS, PAYS_QUICK),
     "host-fits": (HOST_FITS, HOST_FITS_QUICK),
     "spill": (SPILL, SPILL_QUICK),
+    "returning": (RETURNING, RETURNING_QUICK),
 }
 
 
@@ -1137,6 +1152,9 @@ TTFT_RATIOS = (
     ("kvmux-first/host ttft p50", "kvmux-first", "host", "p50"),
     ("kvmux-first/host ttft p99", "kvmux-first", "host", "p99"),
     ("kvmux-host/host ttft p50 (kvmux's own cost)", "kvmux-host", "host", "p50"),
+    # The host tier's default eviction over recency alone (issue 45's
+    # target on the returning workload: <= 1.05, no loss where LRU is right).
+    ("host/host-lru ttft p50", "host", "host-lru", "p50"),
     ("kvmux-first-cost/host ttft p50", "kvmux-first-cost", "host", "p50"),
     ("kvmux-compose-cost/host ttft p50", "kvmux-compose-cost", "host", "p50"),
     ("kvmux-first-cost/kvmux-first ttft p50", "kvmux-first-cost", "kvmux-first", "p50"),

@@ -82,14 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--workload",
-        choices=["chat", "pays", "host-fits", "spill"],
+        choices=["chat", "pays", "host-fits", "spill", "returning"],
         default="chat",
         help="chat: the multi-round chat workload on the serving Llama (default); pays: "
         "a wider Llama (hidden 1024, MLP 4096) where recomputing a prefix costs far more "
         "than loading it, 8 users x 3 rounds of 512-token contexts; serve only: host-fits "
         "(vLLM's KV cache the bottleneck, every reuse fits the host tier: a second tier "
-        "never serves) and spill (the host tier holds 40%% of the conversations: the "
-        "second tier serves what it lost)",
+        "never serves), spill (the host tier holds 40%% of the conversations: the "
+        "second tier serves what it lost) and returning (each user back after one or two "
+        "others, the host tier holding half: where recency is right)",
     )
     s.add_argument("--users", type=int, help="users (8; quick: 3)")
     s.add_argument("--rounds", type=int, help="rounds per user (3; quick: 2)")
