@@ -337,8 +337,11 @@ impl CostModel {
     /// Child `i` is not ready after `waited` seconds; it could offer at
     /// most `max_tokens`. Wait for it while the wait (what it usually takes,
     /// or what it took already if longer) and then its load are expected to
-    /// be faster than computing `max_tokens`. Never waits longer than
-    /// computing them takes. Before the wait is measured: wait.
+    /// be faster than computing `max_tokens`, and, at its first not-ready
+    /// answer of the request, while its recent waits ended in tokens worth
+    /// the wait ([`CostModel::yielded`]: the compute of what it then loaded,
+    /// less the load). Never waits longer than computing them takes. Before
+    /// the wait is measured: wait.
     pub fn judge_wait(&mut self, i: usize, waited: f64, max_tokens: u64) -> Verdict {
         if i >= self.waits.len() {
             return Verdict::Unmeasured;
@@ -359,8 +362,13 @@ impl CostModel {
         if wait.max(waited) + load >= compute {
             return self.declined(i, Why::SlowWait);
         }
-        // What its recent waits ended in: the compute of the tokens it
-        // then loaded, less their load, against the wait (still to come).
+        // At its first "not ready" answer of a request (`waited` 0; once a
+        // request waits for it, a probe included, only the bounds above
+        // apply): what its recent waits ended in, the compute of the tokens
+        // it then loaded less their load, against the wait to come.
+        if waited > 0.0 {
+            return Verdict::Take;
+        }
         if let Some(tokens) = self.yields[i].get() {
             let per_token = compute / max_tokens.max(1) as f64;
             let t = tokens.round() as u64;
@@ -606,6 +614,8 @@ mod tests {
             .iter()
             .all(|v| *v == Verdict::Decline(Why::NoYield)));
         assert_eq!(v[PROBE_EVERY as usize - 1], Verdict::Probe(Why::NoYield));
+        // A request waiting for it (the probe) keeps waiting within the bounds.
+        assert_eq!(m.judge_wait(0, 0.01, 1024), Verdict::Take);
         // The probes end in tokens again: waited for within a few.
         let mut taken = None;
         for k in 0..4 * PROBE_EVERY {

@@ -24,6 +24,7 @@ from kvmux._core import (
     LOAD_DECISIONS,
     LOAD_POLICIES,
     MAX_CHILDREN,
+    SAVE_POLICIES,
     check_breaker,
     check_deadline,
     hma_refusal,
@@ -103,8 +104,23 @@ NOT_SPAN_LOADERS = {
     "ExampleConnector": "it writes every block of its stored prefix, over the span the "
     'children before it loaded (measured: kvmux\'s docs/configuration.md, "Composing tiers")',
 }
+#: A child entry's save admission (``rust/mux/admit.rs``; docs/configuration.md,
+#: "Save admission"): ``"always"`` (every save, as vLLM's MultiConnector),
+#: ``"auto"`` (kvmux's rule: every save for the first child; for the others
+#: only a request with a block they lack that was seen by
+#: ``_core.DEFAULT_REUSE`` requests or read back from a tier) or a reuse
+#: threshold (an int >= 1, for this child whatever its place).
+SAVE_POLICY_KEY = "save_policy"
+DEFAULT_SAVE_POLICY = "always"
 #: The keys of a child's entry that are kvmux's, not the child's.
-CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, LOAD_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
+CHILD_KEYS = (
+    NAME_KEY,
+    LOOKUP_TIMEOUT_KEY,
+    LOAD_TIMEOUT_KEY,
+    *BREAKER_KEYS,
+    SPANS_KEY,
+    SAVE_POLICY_KEY,
+)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 
@@ -143,6 +159,8 @@ class ChildSpec:
     load_timeout_ms: float | None = None
     """How long an async load of the child may stay unfinished before it is
     failed for the request (None: no limit)."""
+    save_policy: str | int = DEFAULT_SAVE_POLICY
+    """``"always"``, ``"auto"`` or a reuse threshold (:data:`SAVE_POLICY_KEY`)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config."""
@@ -203,6 +221,7 @@ class _RawChild:
     breaker: BreakerSpec | None
     loads_spans: bool
     load_timeout_ms: float | None = None
+    save_policy: str | int = DEFAULT_SAVE_POLICY
 
 
 #: What each deadline key bounds (for the refusal's fix).
@@ -513,7 +532,30 @@ def _child(
     if not isinstance(spans, bool):
         problems.append(f"{where}: {SPANS_KEY!r} must be true or false, got {spans!r}")
         return None
-    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker, spans, load_timeout)
+    save_policy = _save_policy(raw, where, problems)
+    if save_policy is None:
+        return None
+    return _RawChild(
+        index, cls_name, name, ktc, cls, timeout, breaker, spans, load_timeout, save_policy
+    )
+
+
+def _save_policy(raw: Mapping[str, Any], where: str, problems: list[str]) -> str | int | None:
+    """A child entry's ``save_policy`` (the default when absent); None and a
+    problem when it is neither one of ``SAVE_POLICIES`` nor an int >= 1."""
+    value = raw.get(SAVE_POLICY_KEY, DEFAULT_SAVE_POLICY)
+    if isinstance(value, str) and value in SAVE_POLICIES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 0xFFFFFFFF:
+        return value
+    problems.append(
+        f"{where}: {SAVE_POLICY_KEY}={value!r} is not valid"
+        f'{_suggest(str(value), tuple(SAVE_POLICIES))}; set it to "always" (every save, '
+        "as vLLM's MultiConnector), \"auto\" (kvmux's rule: every save for the first child, "
+        "for the others only blocks seen by 2 requests or read back) or a reuse threshold "
+        f"(an int >= 1), or leave it out (default {DEFAULT_SAVE_POLICY!r})"
+    )
+    return None
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -638,6 +680,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             lookup_timeout_ms=c.lookup_timeout_ms,
             breaker=c.breaker,
             load_timeout_ms=c.load_timeout_ms,
+            save_policy=c.save_policy,
         )
         for c, name in zip(children, names, strict=True)
     )

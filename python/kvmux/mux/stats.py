@@ -354,6 +354,16 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "Tokens declined because a child's not-ready wait was expected to be, or was, longer "
         "than computing them (the most it could offer; recomputed instead).",
     ),
+    "declined_saves": (
+        "kvmux_declined_saves",
+        "Requests whose save a child did not get: save admission (save_policy) declined it "
+        "(its blocks were seen too few times and never read back, or the child holds them).",
+    ),
+    "declined_waits": (
+        "kvmux_declined_waits",
+        'Requests a child\'s not-ready lookup was not waited for (load_decision "cost": its '
+        "wait expected longer than computing, or its recent waits rarely ended in tokens).",
+    ),
 }
 
 #: The same for the multiplexer-wide counters (no label; ``clashes``: label

@@ -70,9 +70,7 @@ impl SchedulerMux {
 
     /// Blocks the admission table knows (0 when admission is off).
     pub fn save_table_len(&self) -> usize {
-        self.saves
-            .as_ref()
-            .map_or(0, |s| lock(&s.table).len())
+        self.saves.as_ref().map_or(0, |s| lock(&s.table).len())
     }
 
     /// A lookup's answers (`lookup_plain`, `lookup_full`): each child's hit
@@ -229,7 +227,11 @@ impl SchedulerMux {
         while bits != 0 {
             let i = bits.trailing_zeros() as usize;
             self.counters.child(i, Child::DeclinedSaves, 1);
-            if let Some(c) = r.timeline.as_deref_mut().and_then(|t| t.children.get_mut(i)) {
+            if let Some(c) = r
+                .timeline
+                .as_deref_mut()
+                .and_then(|t| t.children.get_mut(i))
+            {
                 c.save_declined = s.why.get(i).copied().flatten();
             }
             bits &= bits - 1;
@@ -268,7 +270,10 @@ mod tests {
         assert_eq!(m.save_declined("a"), 0b10);
         // The child's async save is not waited for; counted declined.
         let got = finish_with(&m, "a", false, vec![done(false, None), done(true, None)]).unwrap();
-        assert!(!got.async_save, "the declined child's async save is not pending");
+        assert!(
+            !got.async_save,
+            "the declined child's async save is not pending"
+        );
         assert!(m.take_outbox().saves.is_empty());
         assert_eq!(m.snapshot().children[1][Child::DeclinedSaves as usize], 1);
         assert_eq!(m.snapshot().children[0][Child::DeclinedSaves as usize], 0);
