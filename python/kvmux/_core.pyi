@@ -139,6 +139,7 @@ class SchedulerMux:
         save_policies: list[str | int] | None = None,
         scheduler_view: Any = None,
         save_table_blocks: int | None = None,
+        transports: list[bool] | None = None,
     ) -> Self:
         """``children``: per child ``(name, supports_hma, lookup_timeout_ms,
         load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
@@ -160,7 +161,9 @@ class SchedulerMux:
         view``, the step without the requests in ``hidden`` (what a child
         declined a save gets in ``build_connector_meta``);
         ``save_table_blocks``: the admission table's capacity in blocks
-        (None: 65536)."""
+        (None: 65536); ``transports``: per child, whether it is a P/D
+        transport rather than a storage tier (``"auto"`` then takes every
+        save for it, and the first storage tier is the first other child)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

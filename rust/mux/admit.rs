@@ -76,14 +76,37 @@ impl Policy {
         (k >= 1).then_some(Policy::Reuse(k))
     }
 
-    /// Child `index`'s threshold under this policy (None: every save).
-    pub fn threshold(self, index: usize) -> Option<u32> {
+    /// The threshold of a child under this policy (None: every save);
+    /// `tier`: its place among the storage tiers (None: not a storage tier,
+    /// a P/D transport that saves only what a request asks for).
+    pub fn threshold(self, tier: Option<usize>) -> Option<u32> {
         match self {
             Policy::Always => None,
-            Policy::Auto if index == 0 => None,
-            Policy::Auto => Some(DEFAULT_REUSE),
+            Policy::Auto => match tier {
+                Some(t) if t > 0 => Some(DEFAULT_REUSE),
+                _ => None,
+            },
             Policy::Reuse(k) => Some(k),
         }
+    }
+
+    /// Each child's threshold: `transports[i]` marks a child that is not a
+    /// storage tier (under `auto` it takes every save, and the first
+    /// storage tier is the first child that is not one).
+    pub fn thresholds(policies: &[Policy], transports: &[bool]) -> Vec<Option<u32>> {
+        let mut tier = 0;
+        policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                if transports.get(i).copied().unwrap_or(false) {
+                    p.threshold(None)
+                } else {
+                    tier += 1;
+                    p.threshold(Some(tier - 1))
+                }
+            })
+            .collect()
     }
 }
 
@@ -268,10 +291,21 @@ mod tests {
         assert_eq!(Policy::parse("3"), Some(Policy::Reuse(3)));
         assert_eq!(Policy::parse("0"), None);
         assert_eq!(Policy::parse("sometimes"), None);
-        assert_eq!(Policy::Auto.threshold(0), None);
-        assert_eq!(Policy::Auto.threshold(1), Some(DEFAULT_REUSE));
-        assert_eq!(Policy::Always.threshold(1), None);
-        assert_eq!(Policy::Reuse(1).threshold(0), Some(1));
+        assert_eq!(Policy::Auto.threshold(Some(0)), None);
+        assert_eq!(Policy::Auto.threshold(Some(1)), Some(DEFAULT_REUSE));
+        assert_eq!(Policy::Auto.threshold(None), None);
+        assert_eq!(Policy::Always.threshold(Some(1)), None);
+        assert_eq!(Policy::Reuse(1).threshold(Some(0)), Some(1));
+        // P/D: [NIXL, host tier, LMCache]: the host tier is the first tier.
+        let auto = [Policy::Auto; 3];
+        assert_eq!(
+            Policy::thresholds(&auto, &[true, false, false]),
+            vec![None, None, Some(DEFAULT_REUSE)]
+        );
+        assert_eq!(
+            Policy::thresholds(&auto, &[]),
+            vec![None, Some(DEFAULT_REUSE), Some(DEFAULT_REUSE)]
+        );
     }
 
     #[test]

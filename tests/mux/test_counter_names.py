@@ -28,7 +28,7 @@ METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 #: What the interval stats hold beside the core's totals: the per-child rows.
 CHILDREN = "children"
 #: What ``mux_stats()`` adds to the core's cumulative counters.
-MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers"}
+MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers", "save_table_blocks"}
 
 
 def expected_interval_totals() -> list[str]:

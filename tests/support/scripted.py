@@ -155,15 +155,16 @@ class ScriptedConnector(KVConnectorBase_V1):
             self.told_to_load.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            self.scheduled[req_id] += n
-        for r in scheduler_output.scheduled_new_reqs:
-            self.scheduled[r.req_id] += 0
-        for r in scheduler_output.scheduled_cached_reqs.req_ids:
-            self.scheduled[r] += 0
-        per_token = self.script.get("step_s_per_token")
-        if per_token:
-            time.sleep(per_token * scheduler_output.total_num_scheduled_tokens)
+        if scheduler_output is not None:  # (some tests call it with None)
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                self.scheduled[req_id] += n
+            for r in scheduler_output.scheduled_new_reqs:
+                self.scheduled[r.req_id] += 0
+            for r in scheduler_output.scheduled_cached_reqs.req_ids:
+                self.scheduled[r] += 0
+            per_token = self.script.get("step_s_per_token")
+            if per_token:
+                time.sleep(per_token * scheduler_output.total_num_scheduled_tokens)
         # Tell the workers which finished requests this child saves async.
         saving, self._async_finished = self._async_finished, []
         loads, self._loads = self._loads, []

@@ -112,6 +112,10 @@ NOT_SPAN_LOADERS = {
 #: threshold (an int >= 1, for this child whatever its place).
 SAVE_POLICY_KEY = "save_policy"
 DEFAULT_SAVE_POLICY = "always"
+#: Children that are P/D transports, not storage tiers: they send only what
+#: a request's ``kv_transfer_params`` ask for (never declined), and under
+#: ``"auto"`` the first storage tier is the first child not listed here.
+TRANSPORTS = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector")
 #: The keys of a child's entry that are kvmux's, not the child's.
 CHILD_KEYS = (
     NAME_KEY,
@@ -161,6 +165,8 @@ class ChildSpec:
     failed for the request (None: no limit)."""
     save_policy: str | int = DEFAULT_SAVE_POLICY
     """``"always"``, ``"auto"`` or a reuse threshold (:data:`SAVE_POLICY_KEY`)."""
+    transport: bool = False
+    """A P/D transport, not a storage tier (:data:`TRANSPORTS`)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config."""
@@ -681,6 +687,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             breaker=c.breaker,
             load_timeout_ms=c.load_timeout_ms,
             save_policy=c.save_policy,
+            transport=c.cls_name in TRANSPORTS,
         )
         for c, name in zip(children, names, strict=True)
     )

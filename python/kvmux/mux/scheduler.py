@@ -73,6 +73,8 @@ class MuxScheduler:
             None if cfg.timeline_path is None else TimelineFile(cfg.timeline_path).write,
             [spec.save_policy for spec in cfg.children],
             without_requests,
+            None,
+            [spec.transport for spec in cfg.children],
         )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...] | None:

@@ -98,6 +98,11 @@ LOAD_DECISION_CHILD_GAUGES: dict[str, tuple[str, str]] = {
         "kvmux_load_decision_not_ready_wait_seconds",
         "What the load decision learned a request waits for a child answering not ready.",
     ),
+    "not_ready_yield_tokens": (
+        "kvmux_load_decision_not_ready_yield_tokens",
+        "What the load decision learned a child's not-ready answers end in: tokens it then "
+        "loaded, per request that waited (0 when the wait ended in a miss).",
+    ),
 }
 #: The counters' keys whose values are gauges (replaced, not added).
 GAUGES = (BREAKER_STATE, LOAD_DECISION)

@@ -447,7 +447,7 @@ impl PySchedulerMux {
     /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
     /// every child with vLLM's default.
     #[new]
-    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None, load_decision = "always", timeline_sink = None, save_policies = None, scheduler_view = None, save_table_blocks = None))]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None, load_decision = "always", timeline_sink = None, save_policies = None, scheduler_view = None, save_table_blocks = None, transports = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -465,6 +465,7 @@ impl PySchedulerMux {
         save_policies: Option<Vec<Bound<'_, PyAny>>>,
         scheduler_view: Option<Bound<'_, PyAny>>,
         save_table_blocks: Option<usize>,
+        transports: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         let decide = cost::decides(load_decision).ok_or_else(|| {
             PyValueError::new_err(format!(
@@ -495,7 +496,9 @@ impl PySchedulerMux {
             Some(p) => p.iter().map(save_policy).collect::<PyResult<_>>()?,
         };
         let core = SchedulerMux::new(names, clash, load, block_size)
-            .and_then(|m| m.with_save_policies(policies, save_table_blocks))
+            .and_then(|m| {
+                m.with_save_policies(policies, &transports.unwrap_or_default(), save_table_blocks)
+            })
             .and_then(|m| m.with_lookup_deadlines(deadlines))
             .and_then(|m| m.with_breakers(breakers))
             .and_then(|m| m.with_load_deadlines(load_deadlines))

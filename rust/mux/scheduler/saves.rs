@@ -40,20 +40,18 @@ pub(crate) struct RequestSaves {
 }
 
 impl SchedulerMux {
-    /// Give child i the save policy `policies[i]` ([`Policy`]). With every
-    /// child saving everything (`always`, or `auto` with one child) nothing
-    /// is counted.
+    /// Give child i the save policy `policies[i]` ([`Policy`]);
+    /// `transports[i]`: child i is no storage tier (a P/D transport; empty:
+    /// none is). With every child saving everything (`always`, or `auto`
+    /// with one tier) nothing is counted.
     pub fn with_save_policies<E>(
         mut self,
         policies: Vec<Policy>,
+        transports: &[bool],
         capacity: Option<usize>,
     ) -> Result<Self, MuxError<E>> {
         self.one_per_child("save policy", policies.len())?;
-        let thresholds: Vec<Option<u32>> = policies
-            .iter()
-            .enumerate()
-            .map(|(i, p)| p.threshold(i))
-            .collect();
+        let thresholds = Policy::thresholds(&policies, transports);
         self.saves = thresholds.iter().any(Option::is_some).then(|| {
             Box::new(Saves {
                 thresholds,
@@ -252,7 +250,7 @@ mod tests {
 
     fn admitting() -> SchedulerMux {
         mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_save_policies::<String>(vec![Policy::Auto, Policy::Auto], Some(1024))
+            .with_save_policies::<String>(vec![Policy::Auto, Policy::Auto], &[], Some(1024))
             .unwrap()
     }
 
@@ -305,7 +303,7 @@ mod tests {
     #[test]
     fn always_everywhere_counts_nothing() {
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_save_policies::<String>(vec![Policy::Always, Policy::Always], None)
+            .with_save_policies::<String>(vec![Policy::Always, Policy::Always], &[], None)
             .unwrap();
         assert!(!m.admitting());
         look(&m, "a", [0, 0]);
@@ -314,7 +312,7 @@ mod tests {
         assert_eq!(m.save_table_len(), 0);
         // A threshold of 1 on the first child too: what it lacks is saved.
         let m = mux(2, ClashPolicy::Error, LoadPolicy::First)
-            .with_save_policies::<String>(vec![Policy::Reuse(1), Policy::Reuse(3)], None)
+            .with_save_policies::<String>(vec![Policy::Reuse(1), Policy::Reuse(3)], &[], None)
             .unwrap();
         for (r, want) in [("a", 0b10), ("b", 0b10), ("c", 0)] {
             look(&m, r, [0, 0]);
