@@ -47,6 +47,17 @@ if not VLLM_CPU:
 
 
 @pytest.fixture
+def every_child_saves(monkeypatch):
+    """Every child entry without a ``save_policy`` takes every save (vLLM's
+    rule, kvmux's default before save admission): for the tests of other
+    subjects (completions, KV events, outages, vLLM's MultiConnector's
+    results) that need a later child to save a prefix seen once."""
+    from kvmux.mux import config
+
+    monkeypatch.setattr(config, "DEFAULT_SAVE_POLICY", "always")
+
+
+@pytest.fixture
 def driver_factory():
     from tests.support import harness
 

@@ -55,7 +55,7 @@ def test_save_policy_is_checked_with_the_value_and_the_fix():
         cfg = parse_mux_config(mux_config(two_tiers(slow_policy=ok)))
         assert cfg.children[1].save_policy == ok
     cfg = parse_mux_config(mux_config(two_tiers()))
-    assert [c.save_policy for c in cfg.children] == ["always", "always"]
+    assert [c.save_policy for c in cfg.children] == ["auto", "auto"], "the rule by default"
     # An unknown key in a child entry is still refused.
     children = two_tiers()
     children[1]["save_polcy"] = "auto"
@@ -87,13 +87,22 @@ def test_a_prefix_seen_once_is_saved_to_the_host_tier_only_twice_to_both(driver_
     assert d.connector.num_pending_async_saves() == 0
     assert d.connector.num_live_requests() == 0
     # Outputs do not change: the same tokens as with every save taken.
-    ref = driver_factory(mux_config(two_tiers()))
+    ref = driver_factory(mux_config(two_tiers(slow_policy="always")))
     ref.add("a", PROMPT)
     ref.run()
     ref.add("b", PROMPT + [7, 8])
     ref.run()
     assert d.outputs == ref.outputs
     assert d.connector.mux_stats()["save_table_blocks"] > 0
+
+
+def test_by_default_a_prefix_seen_once_reaches_the_first_tier_only(driver_factory):
+    d = driver_factory(mux_config(two_tiers()))
+    host, slow = d.connector.children
+    d.add("a", PROMPT)
+    d.run()
+    assert "a" in host.scheduled and "a" not in slow.scheduled
+    assert counters(d, SLOW)["declined_saves"] == 1
 
 
 def test_save_policy_always_forces_every_save(driver_factory):

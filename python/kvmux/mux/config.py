@@ -106,12 +106,13 @@ NOT_SPAN_LOADERS = {
 }
 #: A child entry's save admission (``rust/mux/admit.rs``; docs/configuration.md,
 #: "Save admission"): ``"always"`` (every save, as vLLM's MultiConnector),
-#: ``"auto"`` (kvmux's rule: every save for the first child; for the others
+#: ``"auto"`` (the default; kvmux's rule: every save for the first storage
+#: tier; for the others
 #: only a request with a block they lack that was seen by
 #: ``_core.DEFAULT_REUSE`` requests or read back from a tier) or a reuse
 #: threshold (an int >= 1, for this child whatever its place).
 SAVE_POLICY_KEY = "save_policy"
-DEFAULT_SAVE_POLICY = "always"
+DEFAULT_SAVE_POLICY = "auto"
 #: Children that are P/D transports, not storage tiers: they send only what
 #: a request's ``kv_transfer_params`` ask for (never declined), and under
 #: ``"auto"`` the first storage tier is the first child not listed here.
