@@ -740,12 +740,17 @@ impl PySchedulerMux {
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyKvmuxMetadata>> {
-        if self.core.measuring() {
+        // A step without its tokens (a test's None) is not measured.
+        let measured = if self.core.measuring() && !scheduler_output.is_none() {
             let tokens = scheduler_output
                 .getattr(intern!(py, "total_num_scheduled_tokens"))?
                 .extract()?;
             let per = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
-            let per = per.cast::<PyDict>()?;
+            Some((tokens, per.cast_into::<PyDict>()?))
+        } else {
+            None
+        };
+        if let Some((tokens, per)) = measured {
             self.core.step_scheduled(tokens, |id| {
                 per.get_item(id)
                     .ok()
