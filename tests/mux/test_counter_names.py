@@ -23,6 +23,9 @@ from kvmux.mux.stats import (
     TOTAL_METRICS,
 )
 
+# vLLM's load rule on the simulator: see conftest.
+pytestmark = pytest.mark.usefixtures("vllms_load_rule")
+
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 #: What the interval stats hold beside the core's totals: the per-child rows.

@@ -25,7 +25,10 @@ def make(lmcache_server, model_dir):
 
     def build(save_policy: str) -> SchedulerSim:
         children = [host_child(), {**lmcache_server.child(), "save_policy": save_policy}]
-        d = SchedulerSim(mux_config(children), model_dir=model_dir, idle_wait_s=0.02)
+        # The simulator computes a token for next to nothing: vLLM's load
+        # rule, so that LMCache's hits are loaded.
+        ktc = mux_config(children, load_decision="always")
+        d = SchedulerSim(ktc, model_dir=model_dir, idle_wait_s=0.02)
         built.append(d)
         return d
 
