@@ -47,6 +47,29 @@ if not VLLM_CPU:
 
 
 @pytest.fixture
+def every_child_saves(monkeypatch):
+    """Every child entry without a ``save_policy`` takes every save (vLLM's
+    rule, kvmux's default before save admission): for the tests of other
+    subjects (completions, KV events, outages, vLLM's MultiConnector's
+    results) that need a later child to save a prefix seen once."""
+    from kvmux.mux import config
+
+    monkeypatch.setattr(config, "DEFAULT_SAVE_POLICY", "always")
+
+
+@pytest.fixture
+def vllms_load_rule(monkeypatch):
+    """Every config without a ``load_decision`` loads whatever hits (vLLM's
+    rule, kvmux's default before the cost rule): for the tests of other
+    subjects (deadlines, breakers, attribution, counters' names) on the
+    simulator, whose stand-in model computes a token for next to nothing,
+    so that the cost rule would decline every load and every wait there."""
+    from kvmux.mux import config
+
+    monkeypatch.setattr(config, "DEFAULT_LOAD_DECISION", "always")
+
+
+@pytest.fixture
 def driver_factory():
     from tests.support import harness
 

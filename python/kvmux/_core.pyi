@@ -13,6 +13,8 @@ __all__ = [
     "EXTRA_KEY",
     "HMA_FIX",
     "LOAD_DECISIONS",
+    "SAVE_POLICIES",
+    "DEFAULT_REUSE",
     "LOAD_POLICIES",
     "LOCAL_KEY",
     "MAX_CHILDREN",
@@ -35,6 +37,11 @@ __all__ = [
 CLASH_POLICIES: list[str]
 LOAD_POLICIES: list[str]
 LOAD_DECISIONS: list[str]
+#: A child's ``save_policy`` besides a reuse threshold (an int >= 1):
+#: ``"always"`` and ``"auto"`` (``rust/mux/admit.rs``).
+SAVE_POLICIES: list[str]
+#: The reuse threshold ``"auto"`` gives every child but the first.
+DEFAULT_REUSE: int
 """The values of ``load_decision``: ``always`` (load whatever hits) and
 ``cost`` (load a span only when loading is expected faster than computing it:
 ``rust/mux/cost.rs``)."""
@@ -129,6 +136,10 @@ class SchedulerMux:
         stats_class: Any = None,
         load_decision: str = "always",
         timeline_sink: Any = None,
+        save_policies: list[str | int] | None = None,
+        scheduler_view: Any = None,
+        save_table_blocks: int | None = None,
+        transports: list[bool] | None = None,
     ) -> Self:
         """``children``: per child ``(name, supports_hma, lookup_timeout_ms,
         load_timeout_ms, breaker (failures, cooldown_ms, max_cooldown_ms))``
@@ -143,7 +154,16 @@ class SchedulerMux:
         its data in (``KvmuxStats``; None: the dict itself);
         ``load_decision``: one of :data:`LOAD_DECISIONS`; ``timeline_sink``:
         called after a finish with the finished requests' timelines (a list
-        of dicts, see :mod:`kvmux.mux.timeline`; None: none kept)."""
+        of dicts, see :mod:`kvmux.mux.timeline`; None: none kept);
+        ``save_policies``: each child's ``save_policy`` (one of
+        :data:`SAVE_POLICIES` or a reuse threshold; None: ``"always"`` for
+        every child); ``scheduler_view``: ``(scheduler_output, hidden) ->
+        view``, the step without the requests in ``hidden`` (what a child
+        declined a save gets in ``build_connector_meta``);
+        ``save_table_blocks``: the admission table's capacity in blocks
+        (None: 65536); ``transports``: per child, whether it is a P/D
+        transport rather than a storage tier (``"auto"`` then takes every
+        save for it, and the first storage tier is the first other child)."""
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -194,8 +214,10 @@ class SchedulerMux:
         children that have one); ``load_decision`` when it measures
         (``load_decision: "cost"`` or a ``timeline_path``):
         ``{"compute_s_per_token": x, "children": {name: {"load_s": a,
-        "load_s_per_token": b, "not_ready_wait_s": w}}}``, each key once
-        measured."""
+        "load_s_per_token": b, "not_ready_wait_s": w,
+        "not_ready_yield_tokens": y}}}``, each key once measured;
+        ``save_table_blocks``: the blocks save admission counts now (0
+        when every child takes every save)."""
     def __len__(self) -> int: ...
 
 @final

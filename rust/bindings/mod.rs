@@ -136,6 +136,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CLASH_POLICIES", ClashPolicy::ALL.to_vec())?;
     m.add("LOAD_POLICIES", LoadPolicy::ALL.to_vec())?;
     m.add("LOAD_DECISIONS", crate::mux::cost::LOAD_DECISIONS.to_vec())?;
+    m.add("SAVE_POLICIES", crate::mux::admit::SAVE_POLICIES.to_vec())?;
+    m.add("DEFAULT_REUSE", crate::mux::admit::DEFAULT_REUSE)?;
     m.add("MAX_CHILDREN", MAX_CHILDREN)?;
     m.add("EXTRA_KEY", EXTRA_KEY)?;
     m.add("BY_CHILD_KEY", BY_CHILD_KEY)?;

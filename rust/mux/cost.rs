@@ -172,6 +172,9 @@ pub enum Why {
     /// The child's "not ready" wait was expected to be (or was already)
     /// longer than computing what it could offer.
     SlowWait,
+    /// The child's recent "not ready" answers rarely ended in tokens it
+    /// loaded: what they served was worth less than the wait they cost.
+    NoYield,
 }
 
 impl Why {
@@ -179,6 +182,7 @@ impl Why {
         match self {
             Why::SlowLoad => "slow_load",
             Why::SlowWait => "slow_wait",
+            Why::NoYield => "no_yield",
         }
     }
 }
@@ -213,6 +217,10 @@ pub struct CostModel {
     compute: Fit,
     loads: Vec<Fit>,
     waits: Vec<Mean>,
+    /// Per child: the tokens it loaded for a request after answering it
+    /// "not ready" (0 when the wait ended in a miss or another child's
+    /// load), per request that waited.
+    yields: Vec<Mean>,
     /// Per child: declines in a row since its last take.
     declined_in_a_row: Vec<u32>,
 }
@@ -226,6 +234,8 @@ pub struct Learned {
     pub load: Vec<Option<(f64, f64)>>,
     /// Per child: mean "not ready" seconds of a request that waited.
     pub wait: Vec<Option<f64>>,
+    /// Per child: mean tokens it loaded after a "not ready" answer.
+    pub wait_yield: Vec<Option<f64>>,
 }
 
 impl CostModel {
@@ -234,6 +244,7 @@ impl CostModel {
             compute: Fit::new(STEP_DECAY),
             loads: (0..n_children).map(|_| Fit::new(LOAD_DECAY)).collect(),
             waits: (0..n_children).map(|_| Mean::new(LOAD_DECAY)).collect(),
+            yields: (0..n_children).map(|_| Mean::new(LOAD_DECAY)).collect(),
             declined_in_a_row: vec![0; n_children],
         }
     }
@@ -258,6 +269,14 @@ impl CostModel {
         }
     }
 
+    /// A request child `i` answered "not ready" ended with `tokens` loaded
+    /// from it (0: a miss, or another child loaded).
+    pub fn yielded(&mut self, i: usize, tokens: u64) {
+        if let Some(m) = self.yields.get_mut(i) {
+            m.observe(tokens as f64);
+        }
+    }
+
     /// Seconds the engine is expected to spend computing `tokens` more
     /// prompt tokens (the fit's slope: the per-step part is paid anyway).
     pub fn compute_secs(&self, tokens: u64) -> Option<f64> {
@@ -274,6 +293,7 @@ impl CostModel {
             compute_per_token: self.compute.line().map(|(_, b)| b),
             load: self.loads.iter().map(Fit::line).collect(),
             wait: self.waits.iter().map(Mean::get).collect(),
+            wait_yield: self.yields.iter().map(Mean::get).collect(),
         }
     }
 
@@ -317,8 +337,11 @@ impl CostModel {
     /// Child `i` is not ready after `waited` seconds; it could offer at
     /// most `max_tokens`. Wait for it while the wait (what it usually takes,
     /// or what it took already if longer) and then its load are expected to
-    /// be faster than computing `max_tokens`. Never waits longer than
-    /// computing them takes. Before the wait is measured: wait.
+    /// be faster than computing `max_tokens`, and, at its first not-ready
+    /// answer of the request, while its recent waits ended in tokens worth
+    /// the wait ([`CostModel::yielded`]: the compute of what it then loaded,
+    /// less the load). Never waits longer than computing them takes. Before
+    /// the wait is measured: wait.
     pub fn judge_wait(&mut self, i: usize, waited: f64, max_tokens: u64) -> Verdict {
         if i >= self.waits.len() {
             return Verdict::Unmeasured;
@@ -336,11 +359,25 @@ impl CostModel {
             return Verdict::Unmeasured;
         };
         let load = self.load_secs(i, max_tokens).unwrap_or(0.0);
-        if wait.max(waited) + load < compute {
-            Verdict::Take
-        } else {
-            self.declined(i, Why::SlowWait)
+        if wait.max(waited) + load >= compute {
+            return self.declined(i, Why::SlowWait);
         }
+        // At its first "not ready" answer of a request (`waited` 0; once a
+        // request waits for it, a probe included, only the bounds above
+        // apply): what its recent waits ended in, the compute of the tokens
+        // it then loaded less their load, against the wait to come.
+        if waited > 0.0 {
+            return Verdict::Take;
+        }
+        if let Some(tokens) = self.yields[i].get() {
+            let per_token = compute / max_tokens.max(1) as f64;
+            let t = tokens.round() as u64;
+            let gain = per_token * tokens - self.load_secs(i, t).unwrap_or(0.0);
+            if gain <= (wait - waited).max(0.0) {
+                return self.declined(i, Why::NoYield);
+            }
+        }
+        Verdict::Take
     }
 
     /// `compose`: the children's spans in order (`spans[j]`: child j's
@@ -556,6 +593,50 @@ mod tests {
             .iter()
             .all(|v| *v == Verdict::Decline(Why::SlowWait)));
         assert_eq!(v[PROBE_EVERY as usize - 1], Verdict::Probe(Why::SlowWait));
+    }
+
+    #[test]
+    fn a_not_ready_child_whose_waits_end_in_nothing_is_not_waited_for_but_probed() {
+        let mut m = engine();
+        // Short waits (5 ms) against ~1 s of compute: waited for, as before.
+        for _ in 0..3 {
+            m.waited(0, 0.005);
+        }
+        assert_eq!(m.judge_wait(0, 0.0, 1024), Verdict::Take);
+        // Those waits ended in nothing loaded from it.
+        for _ in 0..3 {
+            m.yielded(0, 0);
+        }
+        let v: Vec<_> = (0..PROBE_EVERY)
+            .map(|_| m.judge_wait(0, 0.0, 1024))
+            .collect();
+        assert!(v[..PROBE_EVERY as usize - 1]
+            .iter()
+            .all(|v| *v == Verdict::Decline(Why::NoYield)));
+        assert_eq!(v[PROBE_EVERY as usize - 1], Verdict::Probe(Why::NoYield));
+        // A request waiting for it (the probe) keeps waiting within the bounds.
+        assert_eq!(m.judge_wait(0, 0.01, 1024), Verdict::Take);
+        // The probes end in tokens again: waited for within a few.
+        let mut taken = None;
+        for k in 0..4 * PROBE_EVERY {
+            match m.judge_wait(0, 0.0, 1024) {
+                Verdict::Probe(_) => m.yielded(0, 512),
+                Verdict::Take => {
+                    taken = Some(k);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        assert!(taken.is_some(), "a child that serves again is waited for");
+        assert!(m.learned().wait_yield[0].is_some_and(|y| y > 100.0));
+        // A child whose waits end in hits is waited for throughout.
+        let mut m = engine();
+        for _ in 0..3 {
+            m.waited(1, 0.005);
+            m.yielded(1, 800);
+        }
+        assert!((0..32).all(|_| m.judge_wait(1, 0.0, 1024) == Verdict::Take));
     }
 
     #[test]

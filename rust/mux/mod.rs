@@ -41,6 +41,7 @@ use crate::error::{ChildFault, MuxError};
 use crate::mux::merge::{Clash, Merged, ValueEq};
 use crate::mux::requests::{ChildMatch, Lookup, MAX_CHILDREN};
 
+pub mod admit;
 pub mod breaker;
 pub mod completions;
 pub mod cost;

@@ -54,6 +54,12 @@ pub enum Child {
     /// Tokens declined because this child's "not ready" wait was expected
     /// to be (or was) longer than computing them: the most it could offer.
     DeclinedSlowWaitTokens,
+    /// Requests whose save this child did not see: save admission declined
+    /// it (`save_policy`; seen too few times, or the child holds it).
+    DeclinedSaves,
+    /// Requests this child's "not ready" answer was not waited for (the
+    /// load decision: too slow, or its recent waits rarely ended in tokens).
+    DeclinedWaits,
 }
 
 /// Names of the per-child counters, by `Child` variant: the one source of the
@@ -78,11 +84,13 @@ pub const CHILD_NAMES: [&str; Child::COUNT] = [
     "load_decisions",
     "declined_slow_load_tokens",
     "declined_slow_wait_tokens",
+    "declined_saves",
+    "declined_waits",
 ];
 
 impl Child {
     /// Number of variants (the last one's index + 1).
-    pub const COUNT: usize = Child::DeclinedSlowWaitTokens as usize + 1;
+    pub const COUNT: usize = Child::DeclinedWaits as usize + 1;
 }
 
 /// Multiplexer-wide counters, by index into `TOTAL_NAMES`.

@@ -32,6 +32,9 @@ from vllm.v1.request import RequestStatus
 from tests.mux.test_compose_async import Sim
 from tests.support.harness import mux_config, scripted, upstream_config
 
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("every_child_saves")
+
 PROMPT = list(range(500, 560))  # 60 tokens, 48 of them loadable
 LOADER, SAVER = 0, 1
 

@@ -6,6 +6,7 @@ host tier and the real LMCache server (``tests/support/lmcache_server.py``)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
@@ -23,6 +24,9 @@ from tests.mux.test_lmcache import (  # noqa: F401 (make_sim: a fixture)
     store_prefix,
 )
 from tests.support.harness import mux_config, scripted
+
+# vLLM's load rule on the simulator: see conftest.
+pytestmark = pytest.mark.usefixtures("vllms_load_rule")
 
 WANT = {"cached_tokens_by_child": True, "num_extra_cached_tokens": True}
 SCRIPTED = "ScriptedConnector"

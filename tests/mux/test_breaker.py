@@ -23,6 +23,9 @@ from kvmux.mux.config import BreakerSpec, parse_mux_config
 from kvmux.mux.stats import KvmuxStats
 from tests.support.harness import mux_config, scripted
 
+# vLLM's load rule on the simulator: see conftest.
+pytestmark = pytest.mark.usefixtures("vllms_load_rule")
+
 PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks
 FLAKY = "ScriptedConnector#0"
 

@@ -14,8 +14,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
+
 from kvmux import KvmuxConnector
 from tests.support.harness import mux_config, scripted
+
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("every_child_saves")
 
 _PROMPTS = itertools.count(1)
 

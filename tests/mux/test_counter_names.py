@@ -23,12 +23,15 @@ from kvmux.mux.stats import (
     TOTAL_METRICS,
 )
 
+# vLLM's load rule on the simulator: see conftest.
+pytestmark = pytest.mark.usefixtures("vllms_load_rule")
+
 METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 #: What the interval stats hold beside the core's totals: the per-child rows.
 CHILDREN = "children"
 #: What ``mux_stats()`` adds to the core's cumulative counters.
-MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers"}
+MUX_STATS_EXTRAS = {"live_requests", "pending_async_saves", "breakers", "save_table_blocks"}
 
 
 def expected_interval_totals() -> list[str]:

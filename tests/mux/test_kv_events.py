@@ -33,6 +33,9 @@ from tests.support import sim
 from tests.support.harness import BLOCK_SIZE, KVTransferConfig, child, mux_config
 from tests.support.published import Published
 
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("every_child_saves")
+
 PREFIX = list(range(500, 548))  # 3 full blocks
 EVENTS = "tests.support.event_children"
 

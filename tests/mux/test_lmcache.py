@@ -24,7 +24,9 @@ from tests.support.lmcache_server import time_limit
 
 # On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
 # skipped with the refusal: tests/mux/test_lmcache_vllm034.py tests that instead.
-pytestmark = pytest.mark.usefixtures("lmcache_runs")
+# A later child must save what it sees once, and hits load (vLLM's rules): see
+# conftest.
+pytestmark = pytest.mark.usefixtures("lmcache_runs", "every_child_saves", "vllms_load_rule")
 
 PREFIX = list(range(300, 348))  # 48 tokens: 3 vLLM blocks = 3 LMCache chunks
 ASK = {"cached_token_stats": True, "num_extra_cached_tokens": True}

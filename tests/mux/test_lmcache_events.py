@@ -70,7 +70,8 @@ from lmcache.v1.multiprocess.token_hasher import TokenHasher  # noqa: E402
 
 # On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
 # skipped with the refusal: tests/mux/test_lmcache_vllm034.py tests that instead.
-pytestmark = pytest.mark.usefixtures("lmcache_runs")
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("lmcache_runs", "every_child_saves")
 
 LM, HOST = "LMCacheMPConnector", "KvmuxHostCache"
 CHUNK = 16  # the server's --chunk-size: vLLM's block size here
@@ -224,7 +225,11 @@ def runs(
     try:
         for name, ktc in (
             ("alone", KVTransferConfig(**server.child(**extra))),
-            ("kvmux", mux_config([host_child(), server.child(**extra)])),
+            # LMCache stores each prefix the workload shows it once.
+            (
+                "kvmux",
+                mux_config([host_child(), {**server.child(**extra), "save_policy": "always"}]),
+            ),
         ):
             d = make_sim(ktc, tmp / name)
             try:

@@ -113,7 +113,9 @@ from tests.support.lmcache_server import LMCacheServer, TimeLimitExceeded, time_
 
 # On a vLLM where kvmux refuses LMCache at start-up (lmcache 0.5.6 on 0.34),
 # skipped with the refusal: tests/mux/test_lmcache_vllm034.py tests that instead.
-pytestmark = pytest.mark.usefixtures("lmcache_runs")
+# A later child must save what it sees once, and hits load (vLLM's rules): see
+# conftest.
+pytestmark = pytest.mark.usefixtures("lmcache_runs", "every_child_saves", "vllms_load_rule")
 
 #: kvmux's deadline for LMCache's lookups in these tests.
 DEADLINE_MS = 300

@@ -66,7 +66,7 @@ def test_an_unknown_decision_or_a_bad_timeline_path_is_refused_with_the_fix(tmp_
     with pytest.raises(KvmuxConfigError, match="must be a file path"):
         parse_mux_config(mux_config([scripted()], timeline_path=3))
     cfg = parse_mux_config(mux_config([scripted()]))
-    assert (cfg.load_decision, cfg.timeline_path) == ("always", None)
+    assert (cfg.load_decision, cfg.timeline_path) == ("cost", None), "the cost rule by default"
 
 
 def test_a_child_that_never_gets_ready_no_longer_holds_the_request(driver_factory, tmp_path):
@@ -107,7 +107,8 @@ def test_a_child_that_never_gets_ready_no_longer_holds_the_request(driver_factor
 
 
 def test_with_the_decision_off_the_same_child_holds_the_request(driver_factory):
-    d = driver_factory(mux_config([scripted(matched=64, not_ready=NEVER), scripted()]))
+    cfg = mux_config([scripted(matched=64, not_ready=NEVER), scripted()], load_decision="always")
+    d = driver_factory(cfg)
     warm_up(d)
     d.add("r", PROMPT)
     assert until_scheduled(d, "r", within_s=0.5) is None
@@ -240,7 +241,7 @@ def test_what_the_decision_learned_is_in_mux_stats_and_prometheus(driver_factory
 
 
 def test_with_the_decision_off_and_no_timeline_nothing_is_learned(driver_factory):
-    d = driver_factory(mux_config([scripted(matched=48, load_async=True)]))
+    d = driver_factory(mux_config([scripted(matched=48, load_async=True)], load_decision="always"))
     d.add("r", PROMPT)
     d.run()
     assert "load_decision" not in d.connector.mux_stats()

@@ -7,6 +7,9 @@ import pytest
 
 from tests.support.harness import NOOP, child, mux_config, scripted, upstream_config
 
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("every_child_saves")
+
 PROMPT = list(range(100, 164))  # 64 tokens: 4 full blocks
 
 

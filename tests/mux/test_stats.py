@@ -18,6 +18,9 @@ from kvmux import KvmuxConnector
 from kvmux.mux.stats import METRICS, KvmuxStats
 from tests.support.harness import mux_config, scripted
 
+# A later child must save what it sees once (vLLM's rule): see conftest.
+pytestmark = pytest.mark.usefixtures("every_child_saves")
+
 PREFIX = list(range(300, 348))  # 3 blocks
 
 

@@ -38,12 +38,19 @@ sets. It records every call so tests can check what kvmux routed to it.
   ``CacheHitSource`` value, e.g. ``"p2p"`` as NIXL declares)
 - ``hit_split``: what ``get_external_cache_hit_sources`` returns, whatever
   it is asked (a dict of source values to tokens; a wrong sum on purpose)
+- ``step_s_per_token``: its ``build_connector_meta`` sleeps this long per
+  token the step scheduled (an engine whose compute costs that much)
+
+Its scheduler side records, in ``scheduled``, the tokens of each request it
+saw scheduled in ``build_connector_meta`` (what a connector plans saves
+from; a request kvmux declined its save of is not there).
 
 Tests may change ``self.script`` (the same dict) at any time.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -81,6 +88,7 @@ class ScriptedConnector(KVConnectorBase_V1):
         self._asked_from: dict[str, int] = {}  # num_computed_tokens of the last lookup
         self.layers_seen: list[str] = []
         self.completed: list[str] = []  # async saves reported done, in order
+        self.scheduled: defaultdict[str, int] = defaultdict(int)  # scheduler: seen scheduled
         self.announced: set[str] = set()  # worker: async saves it was told of
         self.finished_blocks: dict[str, Any] = {}  # request id -> block ids at finish
         self._async_finished: list[str] = []  # scheduler: saves to announce
@@ -147,6 +155,16 @@ class ScriptedConnector(KVConnectorBase_V1):
             self.told_to_load.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> ScriptedMetadata:
+        if scheduler_output is not None:  # (some tests call it with None)
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                self.scheduled[req_id] += n
+            for r in scheduler_output.scheduled_new_reqs:
+                self.scheduled[r.req_id] += 0
+            for r in scheduler_output.scheduled_cached_reqs.req_ids:
+                self.scheduled[r] += 0
+            per_token = self.script.get("step_s_per_token")
+            if per_token:
+                time.sleep(per_token * scheduler_output.total_num_scheduled_tokens)
         # Tell the workers which finished requests this child saves async.
         saving, self._async_finished = self._async_finished, []
         loads, self._loads = self._loads, []

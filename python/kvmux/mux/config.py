@@ -24,6 +24,7 @@ from kvmux._core import (
     LOAD_DECISIONS,
     LOAD_POLICIES,
     MAX_CHILDREN,
+    SAVE_POLICIES,
     check_breaker,
     check_deadline,
     hma_refusal,
@@ -66,13 +67,13 @@ RESERVED_NAMES = ("local_prefix_cache", "kvmux")
 #: (vLLM 0.34 reads it only at the top level under a name other than
 #: ``MultiConnector``: see :mod:`kvmux.mux.parent_name`); kvmux only passes it on.
 CUSTOM_MEM_POOL_KEY = "custom_mem_pool"
-#: ``"always"`` (default): a child's hit is loaded whatever it costs;
-#: ``"cost"``: kvmux learns what each child's load (and its "not ready"
+#: ``"always"``: a child's hit is loaded whatever it costs (vLLM's rule);
+#: ``"cost"`` (the default): kvmux learns what each child's load (and its "not ready"
 #: wait) costs and what computing a prompt token costs on this instance,
 #: and takes a span only when loading it is expected to be faster
 #: (``rust/mux/cost.rs``; docs/configuration.md, "The load decision").
 LOAD_DECISION_KEY = "load_decision"
-DEFAULT_LOAD_DECISION = "always"
+DEFAULT_LOAD_DECISION = "cost"
 #: A file the scheduler side appends one JSON line to per finished request:
 #: where its time went (:mod:`kvmux.mux.timeline`).
 TIMELINE_PATH_KEY = "timeline_path"
@@ -103,8 +104,28 @@ NOT_SPAN_LOADERS = {
     "ExampleConnector": "it writes every block of its stored prefix, over the span the "
     'children before it loaded (measured: kvmux\'s docs/configuration.md, "Composing tiers")',
 }
+#: A child entry's save admission (``rust/mux/admit.rs``; docs/configuration.md,
+#: "Save admission"): ``"always"`` (every save, as vLLM's MultiConnector),
+#: ``"auto"`` (the default; kvmux's rule: every save for the first storage
+#: tier; for the others
+#: only a request with a block they lack that was seen by
+#: ``_core.DEFAULT_REUSE`` requests or read back from a tier) or a reuse
+#: threshold (an int >= 1, for this child whatever its place).
+SAVE_POLICY_KEY = "save_policy"
+DEFAULT_SAVE_POLICY = "auto"
+#: Children that are P/D transports, not storage tiers: they send only what
+#: a request's ``kv_transfer_params`` ask for (never declined), and under
+#: ``"auto"`` the first storage tier is the first child not listed here.
+TRANSPORTS = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector")
 #: The keys of a child's entry that are kvmux's, not the child's.
-CHILD_KEYS = (NAME_KEY, LOOKUP_TIMEOUT_KEY, LOAD_TIMEOUT_KEY, *BREAKER_KEYS, SPANS_KEY)
+CHILD_KEYS = (
+    NAME_KEY,
+    LOOKUP_TIMEOUT_KEY,
+    LOAD_TIMEOUT_KEY,
+    *BREAKER_KEYS,
+    SPANS_KEY,
+    SAVE_POLICY_KEY,
+)
 DEFAULT_CLASH_POLICY = "error"
 DEFAULT_LOAD_POLICY = "first"
 
@@ -143,6 +164,10 @@ class ChildSpec:
     load_timeout_ms: float | None = None
     """How long an async load of the child may stay unfinished before it is
     failed for the request (None: no limit)."""
+    save_policy: str | int = DEFAULT_SAVE_POLICY
+    """``"always"``, ``"auto"`` or a reuse threshold (:data:`SAVE_POLICY_KEY`)."""
+    transport: bool = False
+    """A P/D transport, not a storage tier (:data:`TRANSPORTS`)."""
 
     def vllm_config_for(self, vllm_config: VllmConfig) -> VllmConfig:
         """The parent's ``VllmConfig`` with this child's transfer config (for
@@ -209,6 +234,7 @@ class _RawChild:
     breaker: BreakerSpec | None
     loads_spans: bool
     load_timeout_ms: float | None = None
+    save_policy: str | int = DEFAULT_SAVE_POLICY
 
 
 #: What each deadline key bounds (for the refusal's fix).
@@ -519,7 +545,30 @@ def _child(
     if not isinstance(spans, bool):
         problems.append(f"{where}: {SPANS_KEY!r} must be true or false, got {spans!r}")
         return None
-    return _RawChild(index, cls_name, name, ktc, cls, timeout, breaker, spans, load_timeout)
+    save_policy = _save_policy(raw, where, problems)
+    if save_policy is None:
+        return None
+    return _RawChild(
+        index, cls_name, name, ktc, cls, timeout, breaker, spans, load_timeout, save_policy
+    )
+
+
+def _save_policy(raw: Mapping[str, Any], where: str, problems: list[str]) -> str | int | None:
+    """A child entry's ``save_policy`` (the default when absent); None and a
+    problem when it is neither one of ``SAVE_POLICIES`` nor an int >= 1."""
+    value = raw.get(SAVE_POLICY_KEY, DEFAULT_SAVE_POLICY)
+    if isinstance(value, str) and value in SAVE_POLICIES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 0xFFFFFFFF:
+        return value
+    problems.append(
+        f"{where}: {SAVE_POLICY_KEY}={value!r} is not valid"
+        f'{_suggest(str(value), tuple(SAVE_POLICIES))}; set it to "always" (every save, '
+        "as vLLM's MultiConnector), \"auto\" (kvmux's rule: every save for the first child, "
+        "for the others only blocks seen by 2 requests or read back) or a reuse threshold "
+        f"(an int >= 1), or leave it out (default {DEFAULT_SAVE_POLICY!r})"
+    )
+    return None
 
 
 def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
@@ -644,6 +693,8 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             lookup_timeout_ms=c.lookup_timeout_ms,
             breaker=c.breaker,
             load_timeout_ms=c.load_timeout_ms,
+            save_policy=c.save_policy,
+            transport=c.cls_name in TRANSPORTS,
         )
         for c, name in zip(children, names, strict=True)
     )

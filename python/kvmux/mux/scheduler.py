@@ -11,6 +11,8 @@ The hooks the Rust core does not run (hit sources, loaded groups) are here.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
-__all__ = ["STATS_EVERY_S", "MuxScheduler", "own_source"]
+__all__ = ["STATS_EVERY_S", "MuxScheduler", "own_source", "without_requests"]
 
 logger = logging.getLogger("kvmux")
 
@@ -69,6 +71,10 @@ class MuxScheduler:
             KvmuxStats,
             cfg.load_decision,
             None if cfg.timeline_path is None else TimelineFile(cfg.timeline_path).write,
+            [spec.save_policy for spec in cfg.children],
+            without_requests,
+            None,
+            [spec.transport for spec in cfg.children],
         )
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...] | None:
@@ -105,3 +111,39 @@ def hit_sources(connectors: list[Any]) -> tuple[dict[str, Any], list[str], Any] 
         return None
     by_value = {m.value: m for m in CacheHitSource}
     return by_value, [own_source(c) for c in connectors], CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def without_requests(scheduler_output: Any, hidden: set[str]) -> Any:
+    """vLLM's ``SchedulerOutput`` without the requests in ``hidden``: what a
+    child whose save of them kvmux declined gets in ``build_connector_meta``
+    (save admission, ``rust/mux/scheduler/saves.rs``), so it plans no save
+    of them. A shallow copy: the original, which vLLM and the other children
+    use, is not touched. The scheduled requests (new and cached, with their
+    per-request lists), their scheduled tokens and spec-decode tokens leave;
+    ``finished_req_ids`` and ``preempted_req_ids`` stay (a child frees what it
+    holds of them)."""
+    view = copy.copy(scheduler_output)
+    view.scheduled_new_reqs = [
+        r for r in scheduler_output.scheduled_new_reqs if r.req_id not in hidden
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    ids = list(cached.req_ids)
+    keep = [j for j, r in enumerate(ids) if r not in hidden]
+    if len(keep) != len(ids):
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(cached):
+            value = getattr(cached, f.name)
+            if isinstance(value, list) and len(value) == len(ids):
+                changes[f.name] = [value[j] for j in keep]
+            elif isinstance(value, set | frozenset):
+                changes[f.name] = type(value)(v for v in value if v not in hidden)
+            elif isinstance(value, dict):
+                changes[f.name] = {k: v for k, v in value.items() if k not in hidden}
+        view.scheduled_cached_reqs = dataclasses.replace(cached, **changes)
+    sched = {k: v for k, v in scheduler_output.num_scheduled_tokens.items() if k not in hidden}
+    view.num_scheduled_tokens = sched
+    view.total_num_scheduled_tokens = sum(sched.values())
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    if isinstance(spec, dict):
+        view.scheduled_spec_decode_tokens = {k: v for k, v in spec.items() if k not in hidden}
+    return view

@@ -98,6 +98,11 @@ LOAD_DECISION_CHILD_GAUGES: dict[str, tuple[str, str]] = {
         "kvmux_load_decision_not_ready_wait_seconds",
         "What the load decision learned a request waits for a child answering not ready.",
     ),
+    "not_ready_yield_tokens": (
+        "kvmux_load_decision_not_ready_yield_tokens",
+        "What the load decision learned a child's not-ready answers end in: tokens it then "
+        "loaded, per request that waited (0 when the wait ended in a miss).",
+    ),
 }
 #: The counters' keys whose values are gauges (replaced, not added).
 GAUGES = (BREAKER_STATE, LOAD_DECISION)
@@ -373,6 +378,16 @@ CHILD_METRICS: dict[str, tuple[str, str]] = {
         "kvmux_declined_slow_wait_tokens",
         "Tokens declined because a child's not-ready wait was expected to be, or was, longer "
         "than computing them (the most it could offer; recomputed instead).",
+    ),
+    "declined_saves": (
+        "kvmux_declined_saves",
+        "Requests whose save a child did not get: save admission (save_policy) declined it "
+        "(its blocks were seen too few times and never read back, or the child holds them).",
+    ),
+    "declined_waits": (
+        "kvmux_declined_waits",
+        'Requests a child\'s not-ready lookup was not waited for (load_decision "cost": its '
+        "wait expected longer than computing, or its recent waits rarely ended in tokens).",
     ),
 }
 

@@ -16,10 +16,15 @@ times are epoch seconds on the clock of vLLM's ``Request.arrival_time``
   (lookups it answered "not ready") and ``not_ready_s`` (its first such
   answer to its first ready one, or to when kvmux stopped waiting);
   ``tokens`` (its hit or span; for a declined child, the tokens declined);
-  ``declined`` (null, ``"slow_load"`` or ``"slow_wait"``: the load
-  decision's why); ``load_tokens``, ``load_async``, ``load_start``
-  (allocation) and ``load_done`` (async: the step whose output reported it
-  received; sync: the end of the step that ran it);
+  ``declined`` (null, ``"slow_load"``, ``"slow_wait"`` or ``"no_yield"``:
+  the load decision's why; ``no_yield``: its recent "not ready" answers
+  rarely ended in tokens, so it was not waited for); ``load_tokens``,
+  ``load_async``, ``load_start`` (allocation) and ``load_done`` (async: the
+  step whose output reported it received; sync: the end of the step that
+  ran it); ``save_declined`` (null, ``"not_reused"`` or ``"held"``: save
+  admission did not give the child the request's save, its ``save_policy``
+  finding no block it lacks seen often enough or read back, or none it
+  lacks at all);
 - ``allocated``, ``external_tokens``;
 - ``first_token``: the end of the engine step that computed the last prompt
   token (the first output token comes out of that step);

@@ -23,13 +23,13 @@ use super::{
     to_bool, to_finish, to_match, PyKvmuxMetadata, PyParams,
 };
 use crate::error::{ChildFault, MuxError};
-use crate::mux::cost;
 use crate::mux::hma::Route;
 use crate::mux::merge::ClashPolicy;
 use crate::mux::notice::{fault_detail, Notice};
 use crate::mux::plan::{worker_meta_entries, Fanout};
 use crate::mux::requests::{ChildMatch, LoadPolicy};
 use crate::mux::settings::{self, LOAD_TIMEOUT, LOOKUP_TIMEOUT};
+use crate::mux::{admit, cost};
 use crate::mux::{
     hook, wall_clock, About, ChildAnswer, ChildFinish, FinishHooks, FinishedParams, SchedulerMux,
     Supplied, Timeline, Want, BY_CHILD_KEY, EXTRA_KEY, LOCAL_KEY,
@@ -64,6 +64,9 @@ pub struct PySchedulerMux {
     /// Gets the finished requests' timelines (a list of dicts) after each
     /// finish (`timeline_path`).
     timeline_sink: Option<Py<PyAny>>,
+    /// `(scheduler_output, hidden) -> view`: the step without the requests
+    /// in `hidden` (save admission; `kvmux.mux.scheduler.without_requests`).
+    scheduler_view: Option<Py<PyAny>>,
 }
 
 /// vLLM's `CacheHitSource` as the bindings hand it to vLLM: each member by
@@ -258,7 +261,7 @@ impl PySchedulerMux {
         py: Python<'py>,
         plan: &Plan<Py<PyAny>>,
         hook: &'static str,
-        call: impl Fn(&Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
+        call: impl Fn(usize, &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let mut out: Vec<Bound<'py, PyAny>> = plan
             .answers()
@@ -269,7 +272,7 @@ impl PySchedulerMux {
             })
             .collect();
         for (i, f) in plan.active() {
-            out[i] = call(f.bind(py)).map_err(|e| self.child_error(py, hook, i, e))?;
+            out[i] = call(i, f.bind(py)).map_err(|e| self.child_error(py, hook, i, e))?;
         }
         Ok(out)
     }
@@ -444,7 +447,7 @@ impl PySchedulerMux {
     /// (see `kvmux.mux.children.Children.facts`), a hook left out answered by
     /// every child with vLLM's default.
     #[new]
-    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None, load_decision = "always", timeline_sink = None))]
+    #[pyo3(signature = (children, clash_policy, load_policy, block_size, hooks, logger, stats_every_s = 1.0, hit_sources = None, stats_class = None, load_decision = "always", timeline_sink = None, save_policies = None, scheduler_view = None, save_table_blocks = None, transports = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -459,6 +462,10 @@ impl PySchedulerMux {
         stats_class: Option<Bound<'_, PyAny>>,
         load_decision: &str,
         timeline_sink: Option<Bound<'_, PyAny>>,
+        save_policies: Option<Vec<Bound<'_, PyAny>>>,
+        scheduler_view: Option<Bound<'_, PyAny>>,
+        save_table_blocks: Option<usize>,
+        transports: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         let decide = cost::decides(load_decision).ok_or_else(|| {
             PyValueError::new_err(format!(
@@ -484,7 +491,14 @@ impl PySchedulerMux {
                     .map_err(bad_setting)?,
             );
         }
+        let policies = match save_policies {
+            None => vec![admit::Policy::Always; n],
+            Some(p) => p.iter().map(save_policy).collect::<PyResult<_>>()?,
+        };
         let core = SchedulerMux::new(names, clash, load, block_size)
+            .and_then(|m| {
+                m.with_save_policies(policies, &transports.unwrap_or_default(), save_table_blocks)
+            })
             .and_then(|m| m.with_lookup_deadlines(deadlines))
             .and_then(|m| m.with_breakers(breakers))
             .and_then(|m| m.with_load_deadlines(load_deadlines))
@@ -539,6 +553,7 @@ impl PySchedulerMux {
             },
             stats_class: stats_class.map(Bound::unbind),
             timeline_sink: timeline_sink.map(Bound::unbind),
+            scheduler_view: scheduler_view.map(Bound::unbind),
             logger: logger.unbind(),
             stats_every,
             core,
@@ -579,6 +594,11 @@ impl PySchedulerMux {
             })
             .map_err(|e| self.error(py, e))?;
         self.log(py, self.core.lookup_notices(req_id, &got.contained));
+        if got.tokens.is_some() && self.core.admission_due(req_id) {
+            let hashes = block_hashes(py, request)?;
+            let asked = asks_save(py, request)?;
+            self.core.admit_saves(req_id, hashes, asked);
+        }
         Ok((got.tokens, got.load_async))
     }
 
@@ -720,12 +740,17 @@ impl PySchedulerMux {
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyKvmuxMetadata>> {
-        if self.core.measuring() {
+        // A step without its tokens (a test's None) is not measured.
+        let measured = if self.core.measuring() && !scheduler_output.is_none() {
             let tokens = scheduler_output
                 .getattr(intern!(py, "total_num_scheduled_tokens"))?
                 .extract()?;
             let per = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
-            let per = per.cast::<PyDict>()?;
+            Some((tokens, per.cast_into::<PyDict>()?))
+        } else {
+            None
+        };
+        if let Some((tokens, per)) = measured {
             self.core.step_scheduled(tokens, |id| {
                 per.get_item(id)
                     .ok()
@@ -733,8 +758,44 @@ impl PySchedulerMux {
                     .and_then(|n| n.extract().ok())
             });
         }
-        let metas = self.answers(py, &self.build_meta, hook::BUILD_META, |f| {
-            f.call1((scheduler_output,))
+        // Save admission: a child sees the step without the requests whose
+        // save it was declined (`SchedulerMux::save_declined`), through the
+        // view `scheduler_view(scheduler_output, hidden)` builds.
+        let mut views: Vec<Option<Bound<'py, PyAny>>> = Vec::new();
+        if let (true, Some(view)) = (self.core.admitting(), &self.scheduler_view) {
+            let n = self.core.n_children();
+            let mut hidden: Vec<Vec<Bound<'py, PyAny>>> = vec![Vec::new(); n];
+            // A step without its scheduled requests' tokens (a test's None)
+            // hides nothing.
+            let per = scheduler_output
+                .getattr(intern!(py, "num_scheduled_tokens"))
+                .ok()
+                .and_then(|p| p.cast_into::<PyDict>().ok());
+            for id in per.iter().flat_map(|p| p.keys()) {
+                let key = id.cast::<PyString>()?;
+                let mut bits = self.core.save_declined(&str_key(key)?);
+                while bits != 0 {
+                    let i = bits.trailing_zeros() as usize;
+                    hidden[i].push(id.clone());
+                    bits &= bits - 1;
+                }
+            }
+            for h in hidden {
+                views.push(if h.is_empty() {
+                    None
+                } else {
+                    Some(
+                        view.bind(py)
+                            .call1((scheduler_output, PySet::new(py, &h)?))?,
+                    )
+                });
+            }
+        }
+        let metas = self.answers(py, &self.build_meta, hook::BUILD_META, |i, f| {
+            match views.get(i) {
+                Some(Some(v)) => f.call1((v,)),
+                _ => f.call1((scheduler_output,)),
+            }
         })?;
         let (saves, loads, load_blocks) = self.take_outbox(py)?;
         PyKvmuxMetadata::build(py, PyTuple::new(py, metas)?, saves, loads, load_blocks)
@@ -854,7 +915,7 @@ impl PySchedulerMux {
         if counters.is_none() && self.stats_all_none {
             return Ok(None);
         }
-        let stats = self.answers(py, &self.child_stats, hook::STATS, |f| f.call0())?;
+        let stats = self.answers(py, &self.child_stats, hook::STATS, |_, f| f.call0())?;
         let children = PyDict::new(py);
         for (i, s) in stats.into_iter().enumerate() {
             if !s.is_none() {
@@ -953,6 +1014,7 @@ impl PySchedulerMux {
             }
         }
         out.set_item("breakers", breakers)?;
+        out.set_item("save_table_blocks", self.core.save_table_len())?;
         if let Some(learned) = learned_dict(py, &self.core)? {
             out.set_item("load_decision", learned)?;
         }
@@ -980,6 +1042,9 @@ fn learned_dict<'py>(py: Python<'py>, core: &SchedulerMux) -> PyResult<Option<Bo
     let children = PyDict::new(py);
     for (i, (load, wait)) in learned.load.iter().zip(&learned.wait).enumerate() {
         let child = PyDict::new(py);
+        if let Some(Some(y)) = learned.wait_yield.get(i) {
+            child.set_item(intern!(py, "not_ready_yield_tokens"), y)?;
+        }
         if let Some((per_request, per_token)) = load {
             child.set_item(intern!(py, "load_s"), per_request)?;
             child.set_item(intern!(py, "load_s_per_token"), per_token)?;
@@ -1025,6 +1090,7 @@ fn timeline_dict<'py>(
             e.set_item("load_async", c.load_async)?;
             e.set_item("load_start", c.load_start)?;
             e.set_item("load_done", c.load_done)?;
+            e.set_item("save_declined", c.save_declined.map(|w| w.as_str()))?;
             Ok(e)
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -1034,4 +1100,61 @@ fn timeline_dict<'py>(
     d.set_item("first_token", t.first_token)?;
     d.set_item("finished", t.finished)?;
     Ok(d)
+}
+
+/// A child's `save_policy`: `"always"`, `"auto"` or a reuse threshold (an
+/// int of at least 1).
+fn save_policy(v: &Bound<'_, PyAny>) -> PyResult<admit::Policy> {
+    let got = if let Ok(s) = v.extract::<String>() {
+        admit::Policy::parse(&s)
+    } else if v.is_instance_of::<pyo3::types::PyBool>() {
+        None
+    } else {
+        v.extract::<u32>().ok().and_then(admit::Policy::reuse)
+    };
+    got.ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "save_policy must be one of {:?} or a reuse threshold (an int >= 1), got {v}",
+            admit::SAVE_POLICIES
+        ))
+    })
+}
+
+/// A request's block hashes as the core counts them: the first 8 bytes of
+/// each (vLLM's `BlockHash` is bytes; another object's Python hash).
+fn block_hashes(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let Ok(list) = request.getattr(intern!(py, "block_hashes")) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(list.len().unwrap_or(0));
+    for h in list.try_iter()? {
+        let h = h?;
+        let v = match h.cast::<pyo3::types::PyBytes>() {
+            Ok(b) => {
+                let b = b.as_bytes();
+                let mut x = [0u8; 8];
+                let k = b.len().min(8);
+                x[..k].copy_from_slice(&b[..k]);
+                u64::from_le_bytes(x)
+            }
+            Err(_) => h.hash()? as u64,
+        };
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// Whether the request's `kv_transfer_params` ask for a save (P/D's
+/// `do_remote_decode`): then no child's save of it is declined.
+fn asks_save(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(params) = request.getattr(intern!(py, "kv_transfer_params")) else {
+        return Ok(false);
+    };
+    let Ok(params) = params.cast::<PyDict>() else {
+        return Ok(false);
+    };
+    match params.get_item(intern!(py, "do_remote_decode"))? {
+        Some(v) => v.is_truthy(),
+        None => Ok(false),
+    }
 }

@@ -157,6 +157,7 @@ impl SchedulerMux {
                 }
             }
         }
+        self.saves_allocated(req_id, &given);
         if self.measuring() {
             self.note_allocated(req_id, num_external_tokens, &given, async_loaders);
         }

@@ -52,6 +52,8 @@ pub struct ChildTimeline {
     pub load_async: bool,
     pub load_start: Option<f64>,
     pub load_done: Option<f64>,
+    /// Save admission declined its save of the request, and why.
+    pub save_declined: Option<crate::mux::admit::Declined>,
 }
 
 /// Where one request's time went, from kvmux's own hooks (epoch seconds).
@@ -223,7 +225,10 @@ impl SchedulerMux {
                         }
                         matches[i] = MISS;
                         *excluded |= bit;
-                        self.counters.child(i, Child::DeclinedSlowWaitTokens, max);
+                        self.counters.child(i, Child::DeclinedWaits, 1);
+                        if w == Why::SlowWait {
+                            self.counters.child(i, Child::DeclinedSlowWaitTokens, max);
+                        }
                         why[i] = Some((w, max));
                     }
                 }
@@ -342,6 +347,9 @@ impl SchedulerMux {
         };
         let now = (measure.clock)();
         let mut sync: PerChild<u64> = smallvec::smallvec![0; given.len()];
+        // Children that answered "not ready" and were waited for: what the
+        // wait ended in (the tokens each was given), once per request.
+        let mut yields: PerChild<(usize, u64)> = PerChild::new();
         let fresh = self
             .table
             .with_mut(req_id, |r| {
@@ -351,6 +359,14 @@ impl SchedulerMux {
                 };
                 if num_external == 0 && t.allocated.is_some() {
                     return false; // vLLM's second call, after an async load
+                }
+                if t.allocated.is_none() && measure.decide {
+                    for (i, c) in t.children.iter().enumerate() {
+                        let waited_for = !matches!(c.declined, Some(Why::SlowWait | Why::NoYield));
+                        if c.not_ready > 0 && waited_for {
+                            yields.push((i, given.get(i).copied().unwrap_or(0)));
+                        }
+                    }
                 }
                 t.allocated = Some(now);
                 t.external_tokens = num_external;
@@ -371,6 +387,12 @@ impl SchedulerMux {
                 t.first_token.is_none()
             })
             .unwrap_or(false);
+        if !yields.is_empty() {
+            let mut model = lock(&measure.model);
+            for (i, g) in yields {
+                model.yielded(i, g);
+            }
+        }
         if !fresh {
             return;
         }

@@ -196,7 +196,10 @@ impl SchedulerMux {
         self.release_probe(req_id);
         // The request's whole state leaves with its one entry.
         let (seen, state, spans, credits) = match self.remove(req_id) {
-            Some(r) => {
+            Some(mut r) => {
+                // A child whose save was declined saves nothing of it: its
+                // "saving asynchronously" is not waited for.
+                savers &= !self.saves_finished(&mut r);
                 self.note_finished(r.timeline);
                 (true, r.state, r.spans, r.credits)
             }

@@ -115,6 +115,9 @@ impl SchedulerMux {
         if let Some(before) = before {
             self.admission_over(req_id, &before);
         }
+        if got.tokens.is_some() {
+            self.note_hits(req_id, &matches, all_children(n) & !excluded);
+        }
         self.count_lookup(&got, &matches);
         Ok(Looked {
             lookup: got,
@@ -253,6 +256,9 @@ impl SchedulerMux {
         );
         if let Some(before) = before {
             self.admission_over(req_id, &before);
+        }
+        if got.tokens.is_some() {
+            self.note_hits(req_id, matches, asked & !unasked & !excluded);
         }
         if compose && got.tokens.is_some() {
             let spans = matches

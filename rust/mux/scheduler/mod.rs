@@ -19,6 +19,7 @@ mod finish;
 mod held;
 mod load_errors;
 mod lookup;
+mod saves;
 #[cfg(test)]
 mod test_support;
 
@@ -71,6 +72,8 @@ pub struct SchedulerMux {
     hma: Hma,
     /// `load_decision: "cost"` and the timeline (None: both off).
     measure: Option<Box<decision::Measure>>,
+    /// Save admission (None: every child takes every save).
+    saves: Option<Box<saves::Saves>>,
 }
 
 /// Everything the scheduler side keeps for one live request, in one entry
@@ -93,6 +96,8 @@ pub(crate) struct Request {
     pub(super) credits: Option<Box<Credits>>,
     /// Where its time went (the decision or the timeline is on).
     pub(super) timeline: Option<Box<Timeline>>,
+    /// Its save admission ([`saves`]; admission is on).
+    pub(super) saves: Option<Box<saves::RequestSaves>>,
 }
 
 impl Entry for Request {
@@ -140,6 +145,7 @@ impl SchedulerMux {
             n_joined: AtomicUsize::new(0),
             hma: Hma::new(vec![true; n]),
             measure: None,
+            saves: None,
         })
     }
 
