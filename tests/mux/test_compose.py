@@ -25,6 +25,9 @@ from tests.mux.test_lmcache import (  # noqa: F401 (make_sim: a fixture)
 )
 from tests.support.harness import child, mux_config, scripted
 
+# vLLM's load rule on the simulator (composition, not the cost rule): see conftest.
+pytestmark = pytest.mark.usefixtures("vllms_load_rule")
+
 WANT = {"cached_tokens_by_child": True, "num_extra_cached_tokens": True}
 
 
