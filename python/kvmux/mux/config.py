@@ -67,13 +67,13 @@ RESERVED_NAMES = ("local_prefix_cache", "kvmux")
 #: (vLLM 0.34 reads it only at the top level under a name other than
 #: ``MultiConnector``: see :mod:`kvmux.mux.parent_name`); kvmux only passes it on.
 CUSTOM_MEM_POOL_KEY = "custom_mem_pool"
-#: ``"always"``: a child's hit is loaded whatever it costs (vLLM's rule);
-#: ``"cost"`` (the default): kvmux learns what each child's load (and its "not ready"
+#: ``"always"`` (default): a child's hit is loaded whatever it costs;
+#: ``"cost"``: kvmux learns what each child's load (and its "not ready"
 #: wait) costs and what computing a prompt token costs on this instance,
 #: and takes a span only when loading it is expected to be faster
 #: (``rust/mux/cost.rs``; docs/configuration.md, "The load decision").
 LOAD_DECISION_KEY = "load_decision"
-DEFAULT_LOAD_DECISION = "cost"
+DEFAULT_LOAD_DECISION = "always"
 #: A file the scheduler side appends one JSON line to per finished request:
 #: where its time went (:mod:`kvmux.mux.timeline`).
 TIMELINE_PATH_KEY = "timeline_path"
