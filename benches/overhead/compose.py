@@ -108,14 +108,16 @@ class Tier2:
 
 def _ktc(policy: str, prefixes: int, tier2: Tier2) -> KVTransferConfig:
     # Room for everything in both tiers: what each holds is set by the
-    # warm-up, not by eviction.
+    # warm-up, not by eviction, nor by save admission (every child saves
+    # every request, so the warm-up fills both tiers as the case says).
     room = 2 * prefixes * PREFIX_BLOCKS + 64
+    children = [_child("host", room), tier2.entry(room)]
     ktc = KVTransferConfig(
         kv_connector="KvmuxConnector",
         kv_connector_module_path="kvmux",
         kv_role="kv_both",
         kv_connector_extra_config={
-            "connectors": [_child("host", room), tier2.entry(room)],
+            "connectors": [{**c, "save_policy": "always"} for c in children],
             "load_policy": policy,
         },
     )

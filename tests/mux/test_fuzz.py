@@ -105,9 +105,14 @@ plan = st.fixed_dictionaries(
 def check_step(d, host, scripted_workers):
     sent = d.finished_sending
     assert len(sent) == len(set(sent)), "a request was reported finished sending twice"
-    for rid in sent:  # only after every async save of every child completed
-        for w in scripted_workers:
-            if rid in w.announced:
+    # Only after every async save of every child completed. A save is one the
+    # child planned: it saw the request scheduled (kvmux's save admission
+    # hides a declined request from the child's build_connector_meta, and
+    # then owes vLLM no wait for the child's "saving" answer).
+    planners = d.connector.children[1:]
+    for rid in sent:
+        for sched, w in zip(planners, scripted_workers, strict=True):
+            if rid in w.announced and rid in sched.scheduled:
                 assert rid in w.completed, (rid, "reported before a child's save completed")
     st_ = host.index_stats()
     assert st_["ready"] + st_["writing"] <= st_["capacity"]

@@ -66,7 +66,7 @@ def test_an_unknown_decision_or_a_bad_timeline_path_is_refused_with_the_fix(tmp_
     with pytest.raises(KvmuxConfigError, match="must be a file path"):
         parse_mux_config(mux_config([scripted()], timeline_path=3))
     cfg = parse_mux_config(mux_config([scripted()]))
-    assert (cfg.load_decision, cfg.timeline_path) == ("cost", None), "the cost rule by default"
+    assert (cfg.load_decision, cfg.timeline_path) == ("always", None), "vLLM's rule by default"
 
 
 def test_a_child_that_never_gets_ready_no_longer_holds_the_request(driver_factory, tmp_path):
