@@ -12,7 +12,9 @@ a real connector plans its saves from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 import pytest
 from vllm.v1.core.sched.output import CachedRequestData
@@ -154,15 +156,18 @@ def test_the_timeline_says_why_a_save_was_declined(driver_factory, tmp_path):
 
 
 def test_the_view_drops_only_the_hidden_requests():
-    cached = CachedRequestData(
-        req_ids=["x", "y"],
-        resumed_req_ids={"y"},
-        new_token_ids=[[1], [2]],
-        all_token_ids={"y": [2]},
-        new_block_ids=[None, ([3],)],
-        num_computed_tokens=[10, 20],
-        num_output_tokens=[1, 2],
-    )
+    # vLLM 0.33's fields; 0.34 has no resumed_req_ids nor all_token_ids.
+    values: dict[str, Any] = {
+        "req_ids": ["x", "y"],
+        "resumed_req_ids": {"y"},
+        "new_token_ids": [[1], [2]],
+        "all_token_ids": {"y": [2]},
+        "new_block_ids": [None, ([3],)],
+        "num_computed_tokens": [10, 20],
+        "num_output_tokens": [1, 2],
+    }
+    names = {f.name for f in dataclasses.fields(CachedRequestData)}
+    cached = CachedRequestData(**{k: v for k, v in values.items() if k in names})
 
     class Out:
         scheduled_new_reqs = [type("N", (), {"req_id": "n"})(), type("N", (), {"req_id": "m"})()]
@@ -177,7 +182,8 @@ def test_the_view_drops_only_the_hidden_requests():
     assert [r.req_id for r in v.scheduled_new_reqs] == ["n"]
     c = v.scheduled_cached_reqs
     assert c.req_ids == ["x"] and c.num_computed_tokens == [10] and c.new_block_ids == [None]
-    assert c.resumed_req_ids == set() and c.all_token_ids == {}
+    if "resumed_req_ids" in names:
+        assert c.resumed_req_ids == set() and c.all_token_ids == {}
     assert v.num_scheduled_tokens == {"n": 16, "x": 1} and v.total_num_scheduled_tokens == 17
     assert v.scheduled_spec_decode_tokens == {} and v.finished_req_ids == {"z"}
     # The original is untouched.
