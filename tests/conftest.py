@@ -60,7 +60,8 @@ def every_child_saves(monkeypatch):
 @pytest.fixture
 def vllms_load_rule(monkeypatch):
     """Every config without a ``load_decision`` loads whatever hits (vLLM's
-    rule, kvmux's default before the cost rule): for the tests of other
+    rule, kvmux's default, pinned so these tests hold whatever the default
+    becomes): for the tests of other
     subjects (deadlines, breakers, attribution, counters' names) on the
     simulator, whose stand-in model computes a token for next to nothing,
     so that the cost rule would decline every load and every wait there."""
