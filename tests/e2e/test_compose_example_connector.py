@@ -83,6 +83,10 @@ def _config(storage: Path) -> dict[str, Any]:
     extra = cfg["kv_connector_extra_config"]
     extra["load_policy"] = "compose"
     extra["connectors"][1]["loads_spans"] = True  # kvmux refuses it otherwise
+    # Engine 1 computes each P once: under kvmux's save admission (auto) a
+    # prefix seen once goes to the host tier only. What is measured here is
+    # ExampleConnector's files under compose, so it stores every request.
+    extra["connectors"][1]["save_policy"] = "always"
     return cfg
 
 
