@@ -253,3 +253,29 @@ def test_a_not_ready_child_that_serves_is_waited_for_throughout(driver_factory):
     slow = d.connector.children[1]
     assert all(requests_waited_for(d, slow, 12))
     assert counters(d, "ScriptedConnector#1")["declined_waits"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "role"),
+    [
+        ("NixlConnector", "kv_both"),
+        ("NixlPullConnector", "kv_both"),
+        ("NixlPushConnector", "kv_consumer"),
+        ("NixlPushConnector", "kv_both"),
+        ("ExampleConnector", "kv_consumer"),  # a consumer never saves: no storage tier
+    ],
+)
+def test_a_pd_transport_listed_first_leaves_the_host_tier_the_first_storage_tier(name, role):
+    """docs/pd-nixl.md's push decode lists NIXL (``NixlPushConnector``,
+    ``kv_consumer``) before the host tier: under ``auto`` the host tier is
+    still the first storage tier, so it saves what NIXL pushed on first
+    sight (tests/pd/test_push.py found it declined when only
+    ``NixlConnector`` was known as a transport)."""
+    host = {
+        "kv_connector": "KvmuxHostCache",
+        "kv_connector_module_path": "kvmux",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_blocks": 64},
+    }
+    cfg = parse_mux_config(mux_config([{"kv_connector": name, "kv_role": role}, host]))
+    assert [c.transport for c in cfg.children] == [True, False]

@@ -115,8 +115,17 @@ SAVE_POLICY_KEY = "save_policy"
 DEFAULT_SAVE_POLICY = "auto"
 #: Children that are P/D transports, not storage tiers: they send only what
 #: a request's ``kv_transfer_params`` ask for (never declined), and under
-#: ``"auto"`` the first storage tier is the first child not listed here.
-TRANSPORTS = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector")
+#: ``"auto"`` the first storage tier is the first child not listed here (nor
+#: a ``kv_consumer``, which never saves). vLLM 0.32-0.34's registry names
+#: NIXL three ways (pull, push, and the name both answer to).
+TRANSPORTS = (
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "P2pNcclConnector",
+    "MooncakeConnector",
+    "MoRIIOConnector",
+)
 #: The keys of a child's entry that are kvmux's, not the child's.
 CHILD_KEYS = (
     NAME_KEY,
@@ -694,7 +703,7 @@ def parse_mux_config(kv_transfer_config: KVTransferConfig) -> MuxConfig:
             breaker=c.breaker,
             load_timeout_ms=c.load_timeout_ms,
             save_policy=c.save_policy,
-            transport=c.cls_name in TRANSPORTS,
+            transport=c.cls_name in TRANSPORTS or c.transfer_config.kv_role == "kv_consumer",
         )
         for c, name in zip(children, names, strict=True)
     )
