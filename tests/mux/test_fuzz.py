@@ -125,6 +125,9 @@ def check_step(d, host, scripted_workers):
 def run_plan(driver_factory, p, seen: Counter) -> None:
     """Run one plan, checking every invariant; ``seen`` counts lifecycles,
     preemptions and failed loads, so a run can show it exercised them."""
+    # A plan may ask every child to save every request (vLLM's rule); the
+    # others run kvmux's save admission (the default).
+    saves = {"save_policy": "always"} if p.get("every_save") else {}
     ktc = mux_config(
         [
             {
@@ -137,8 +140,9 @@ def run_plan(driver_factory, p, seen: Counter) -> None:
                 **scripted(**p["a"]),
                 "lookup_timeout_ms": p.get("a_deadline_ms"),
                 "load_timeout_ms": p.get("a_load_deadline_ms"),
+                **saves,
             },
-            scripted(**p["b"]),
+            {**scripted(**p["b"]), **saves},
         ],
         load_policy=p["load_policy"],
         breaker_failures=2,
@@ -392,6 +396,10 @@ LOADS_ONLY_PLAN = {
     "host_blocks": 24,
     "inflight_kv_loads": 2,
     "max_num_seqs": 2,
+    # b's async saves hold finished requests' blocks, so the batch stays full
+    # while loads are in flight: what this plan is for (under save admission
+    # b's saves of prefixes seen once are declined and the batch drains).
+    "every_save": True,
     "events": [
         (
             {
